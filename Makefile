@@ -1,0 +1,63 @@
+# Two commands are the contract (README): `make test` and `make demo`. Both set up everything
+# from nothing (venv, torch, the pinned sdist, the patch series, the editable install) and are
+# fast when nothing changed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PATCHES := tools/patches.py
+# JIT-built ops (FusedAdam's CPU op, async_io) are cached inside the venv so reruns are fast.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+PYTEST_ARGS ?=
+
+.PHONY: test test-pristine demo setup venv fork sync install export check pristine bench clean
+
+test: setup
+	$(VPY) -m pytest tests $(PYTEST_ARGS)
+
+# The same tests against pristine upstream (a regression test must fail here).
+test-pristine: setup pristine
+	PYTHONPATH=$(CURDIR)/pristine $(VPY) -m pytest tests $(PYTEST_ARGS)
+
+demo: setup
+	$(VPY) examples/demo.py
+
+setup: venv fork install
+
+venv: $(VENV)/.deps-stamp
+
+$(VENV)/.deps-stamp: requirements/dev-cpu.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet -r requirements/dev-cpu.txt
+	touch $@
+
+# Import the series once; `make sync` re-imports after patches/ changed (refuses to drop work).
+fork: venv
+	test -d fork/.git || $(VPY) $(PATCHES) import
+
+sync: venv
+	$(VPY) $(PATCHES) import
+
+# Editable install of the patched tree; skipped when `deepspeed` already resolves to fork/.
+install: fork
+	@if $(VPY) -c "import deepspeed, pathlib, sys; sys.exit(pathlib.Path(deepspeed.__file__).resolve().parents[1] != pathlib.Path('fork').resolve())" 2>/dev/null; then \
+		echo "deepspeed: editable install of fork/ present"; \
+	else \
+		DS_BUILD_OPS=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps -e fork; \
+	fi
+
+export:
+	$(VPY) $(PATCHES) export
+
+check:
+	$(VPY) $(PATCHES) check
+
+pristine: venv
+	$(VPY) $(PATCHES) pristine
+
+bench: setup pristine
+	$(VPY) bench/zero3_master_memory.py
+
+clean:
+	rm -rf $(VENV) fork pristine .cache

@@ -1,0 +1,39 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Test setup shared by every test: the import path and accelerator default, and the hook that
+runs DistributedTest methods in their ranks (tests/unit/common.py)."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# JIT-built ops are cached beside the venv (as `make test` does), so direct pytest runs reuse them.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+if "DS_ACCELERATOR" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        # Spawned ranks inherit this: without a GPU, every test runs on the CPU accelerator (gloo).
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "world_size(n): run this DistributedTest method in n ranks")
+    config.addinivalue_line("markers", "exec_timeout(seconds): fail (and kill every rank) after this long")
+    config.addinivalue_line("markers", "cell(**axes): the compatibility-matrix cell a test validates")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    if getattr(item.cls, "is_dist_test", False):
+        item.cls()(item._request)
+        item.runtest = lambda: None  # the ranks ran the body; don't run it again here
+
+
+def pytest_report_header(config):
+    import deepspeed
+    return f"deepspeed {deepspeed.__version__} from {Path(deepspeed.__file__).parent}"

@@ -1,0 +1,203 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Multi-rank test harness, shaped like upstream's tests/unit/common.py::DistributedTest.
+
+A test class derives from DistributedTest and sets `world_size`; each test method then runs in
+`world_size` fresh processes (spawned, one per rank) that have joined one process group: gloo on
+the CPU accelerator, nccl on CUDA. The parent waits for every rank:
+
+- a failure on any rank fails the test with that rank's traceback (all failing ranks are shown);
+- a hang (no result before the timeout) fails the test, and every rank's process group is killed;
+- pytest.skip() in a rank skips the test.
+
+Per-test overrides: parametrize `world_size` (as upstream does), or mark the test with
+`@pytest.mark.world_size(n)` / `@pytest.mark.exec_timeout(seconds)`. `local_size` (default: the
+world size) simulates several nodes: LOCAL_RANK = rank % local_size.
+"""
+
+import datetime
+import importlib.util
+import inspect
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_EXEC_TIMEOUT = int(os.environ.get("DS_TEST_EXEC_TIMEOUT", "600"))
+# After the first failing rank reports, the others get this long to report their own error.
+FAILURE_GRACE_S = 10
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _marker_arg(request, name, default):
+    marker = request.node.get_closest_marker(name)
+    return marker.args[0] if marker else default
+
+
+class DistributedTest:
+    """Base class: every test method runs in `world_size` ranks."""
+    is_dist_test = True
+    world_size = 2
+    local_size = None
+    exec_timeout = DEFAULT_EXEC_TIMEOUT
+    # Process-group timeout (collectives that never complete raise after this long).
+    pg_timeout_s = 300
+    backend = None
+
+    def __call__(self, request):
+        world_size = request.node.funcargs.get("world_size", None) or _marker_arg(request, "world_size",
+                                                                                  self.world_size)
+        timeout = _marker_arg(request, "exec_timeout", self.exec_timeout)
+        method = getattr(self, request.function.__name__)
+        wanted = inspect.signature(method).parameters
+        kwargs = {k: v for k, v in request.node.funcargs.items() if k in wanted}
+        spec = dict(module_file=str(request.path),
+                    class_name=type(self).__name__,
+                    method_name=request.function.__name__,
+                    kwargs=kwargs,
+                    world_size=world_size,
+                    local_size=self.local_size or world_size,
+                    backend=self.backend,
+                    pg_timeout_s=self.pg_timeout_s)
+        run_ranks(spec, timeout)
+
+
+def run_ranks(spec, timeout):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    spec = dict(spec, master_port=free_port())
+    procs = [ctx.Process(target=_rank_main, args=(spec, rank, results), daemon=True) for rank in range(spec["world_size"])]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = _collect(procs, results, timeout)
+    finally:
+        _kill_all(procs)
+    _raise_for(reports, spec["world_size"], timeout)
+
+
+def _collect(procs, results, timeout):
+    """Gather (status, detail) per rank until all reported, one failed (plus grace), or timeout."""
+    reports = {}
+    deadline = time.monotonic() + timeout
+    while len(reports) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, status, detail = results.get(timeout=0.5)
+            reports[rank] = (status, detail)
+            if status == "error":
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        except queue.Empty:
+            pass
+        for rank, proc in enumerate(procs):
+            if rank not in reports and proc.exitcode is not None:
+                # Drain a report that raced with the exit before calling the rank dead.
+                time.sleep(0.5)
+                while not results.empty():
+                    r, status, detail = results.get()
+                    reports[r] = (status, detail)
+                if rank not in reports:
+                    reports[rank] = ("error", f"rank {rank} exited with code {proc.exitcode} without a result")
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    return reports
+
+
+def _raise_for(reports, world_size, timeout):
+    errors = {r: d for r, (s, d) in reports.items() if s == "error"}
+    if errors:
+        hung = sorted(set(range(world_size)) - set(reports))
+        text = "\n".join(f"----- rank {r} -----\n{d}" for r, d in sorted(errors.items()))
+        if hung:
+            text += f"\n(ranks {hung} were still running and were killed)"
+        pytest.fail(f"{len(errors)} of {world_size} ranks failed:\n{text}", pytrace=False)
+    missing = sorted(set(range(world_size)) - set(reports))
+    if missing:
+        pytest.fail(f"timeout after {timeout}s: ranks {missing} did not finish (hang); all ranks killed",
+                    pytrace=False)
+    skips = [d for s, d in reports.values() if s == "skip"]
+    if skips:
+        pytest.skip(skips[0])
+
+
+def _kill_all(procs):
+    for proc in procs:
+        if proc.is_alive() and proc.pid:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the rank and anything it started
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.join(timeout=10)
+
+
+def _rank_main(spec, rank, results):
+    os.setpgrp()
+    try:
+        _set_rank_env(spec, rank)
+        test = _load_test_class(spec)()
+        _init_process_group(spec)
+        getattr(test, spec["method_name"])(**spec["kwargs"])
+        _shutdown_process_group()
+        results.put((rank, "ok", ""))
+    except pytest.skip.Exception as skip:
+        results.put((rank, "skip", str(skip)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+
+
+def _set_rank_env(spec, rank):
+    local_size = spec["local_size"]
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec["master_port"]),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(spec["world_size"]),
+        "LOCAL_RANK": str(rank % local_size),
+        "LOCAL_SIZE": str(local_size),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "CROSS_RANK": str(rank // local_size),
+        "CROSS_SIZE": str(spec["world_size"] // local_size),
+    })
+    sys.path.insert(0, str(TESTS_DIR))
+
+
+def _load_test_class(spec):
+    module_file = Path(spec["module_file"])
+    name = "dist_test_" + "_".join(module_file.relative_to(TESTS_DIR).with_suffix("").parts)
+    module_spec = importlib.util.spec_from_file_location(name, module_file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return getattr(module, spec["class_name"])
+
+
+def _init_process_group(spec):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = spec["backend"] or ("gloo" if accelerator.device_name() == "cpu" else accelerator.communication_backend_name())
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
+
+
+def _shutdown_process_group():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,54 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Tiny models, data and configs shared by the tests (the role of upstream's simple_model.py)."""
+
+import torch
+
+
+class TinyMLP(torch.nn.Module):
+    """A few Linear layers and a loss: small enough for 2 CPU ranks, big enough to partition."""
+
+    def __init__(self, hidden=16, nlayers=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(nlayers))
+        self.loss_fn = torch.nn.MSELoss()
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.loss_fn(x, y)
+
+
+def fixed_batch(hidden=16, batch=4, dtype=torch.float32, device="cpu", seed=1234):
+    """One reproducible batch (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, hidden, generator=gen)
+    y = torch.tanh(torch.randn(batch, hidden, generator=gen))
+    return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+
+
+def zero3_config(precision="fp32", lr=1e-2, **zero_overrides):
+    """A ZeRO-3 config. precision: fp32 | autocast (fp32 weights, bf16 autocast) | bf16 (fp32 masters)
+    | bf16_master (bf16 weights with bf16 master weights and optimizer states)."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "zero_optimization": zero,
+    }
+    if precision == "autocast":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif precision == "bf16_master":
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    elif precision != "fp32":
+        raise ValueError(f"unknown precision {precision}")
+    zero.update(zero_overrides)
+    return config
+
+
+def model_dtype(precision):
+    return torch.bfloat16 if precision in ("bf16", "bf16_master") else torch.float32
