@@ -6,8 +6,8 @@ PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 PATCHES := tools/patches.py
-# JIT-built ops (FusedAdam's CPU op, async_io) are cached inside the venv so reruns are fast.
-export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+# JIT-built ops (FusedAdam's CPU op, async_io) are cached inside the venv, one folder per DeepSpeed tree
+# (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
 .PHONY: test test-pristine demo setup venv fork sync install export check pristine bench clean

@@ -3,7 +3,6 @@
 """Test setup shared by every test: the import path and accelerator default, and the hook that
 runs DistributedTest methods in their ranks (tests/unit/common.py)."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,14 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# JIT-built ops are cached beside the venv (as `make test` does), so direct pytest runs reuse them.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+from unit.env import set_default_environment  # noqa: E402
 
-if "DS_ACCELERATOR" not in os.environ:
-    import torch
-    if not torch.cuda.is_available():
-        # Spawned ranks inherit this: without a GPU, every test runs on the CPU accelerator (gloo).
-        os.environ["DS_ACCELERATOR"] = "cpu"
+set_default_environment()
 
 
 def pytest_configure(config):

@@ -55,7 +55,7 @@ def git(repo, *args, env=None, check=True, capture=True):
                           stderr=subprocess.PIPE if capture else None)
     if check and proc.returncode != 0:
         raise PatchError(f"git {' '.join(args)} failed in {repo}:\n{proc.stderr or ''}{proc.stdout or ''}")
-    return proc.stdout.strip() if capture else ""
+    return proc.stdout.rstrip("\n") if capture else ""
 
 
 def sha256_of(path):

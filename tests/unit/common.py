@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from unit.env import remove_shm_comm_buffers
+
 TESTS_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_EXEC_TIMEOUT = int(os.environ.get("DS_TEST_EXEC_TIMEOUT", "600"))
 # After the first failing rank reports, the others get this long to report their own error.
@@ -79,13 +81,16 @@ def run_ranks(spec, timeout):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     spec = dict(spec, master_port=free_port())
-    procs = [ctx.Process(target=_rank_main, args=(spec, rank, results), daemon=True) for rank in range(spec["world_size"])]
+    procs = [
+        ctx.Process(target=_rank_main, args=(spec, rank, results), daemon=True) for rank in range(spec["world_size"])
+    ]
     for proc in procs:
         proc.start()
     try:
         reports = _collect(procs, results, timeout)
     finally:
         _kill_all(procs)
+        remove_shm_comm_buffers("127.0.0.1", spec["master_port"])
     _raise_for(reports, spec["world_size"], timeout)
 
 
@@ -192,7 +197,8 @@ def _init_process_group(spec):
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
-    backend = spec["backend"] or ("gloo" if accelerator.device_name() == "cpu" else accelerator.communication_backend_name())
+    on_cpu = accelerator.device_name() == "cpu"
+    backend = spec["backend"] or ("gloo" if on_cpu else accelerator.communication_backend_name())
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
 
 

@@ -1,0 +1,98 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""The patch-series tooling (tools/patches.py): the series applies to pristine upstream, the fork tree
+is in sync, and the check catches work that was not exported. Runs on scratch copies."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "patches.py"
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
+
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A clone of fork/ and a copy of patches/, so edits here never touch the real tree."""
+    if not (ROOT / "fork" / ".git").is_dir():
+        pytest.fail("fork/ is missing: run `make setup` (tools/patches.py import) first")
+    base = tmp_path_factory.mktemp("tooling")
+    git(base, "clone", "--quiet", str(ROOT / "fork"), "fork")
+    for var, value in (("user.name", "test"), ("user.email", "test@localhost")):
+        git(base / "fork", "config", var, value)
+    shutil.copytree(ROOT / "patches", base / "patches")
+    return base / "fork", base / "patches"
+
+
+def check(fork, patches):
+    return run_tool("--fork", str(fork), "--patches", str(patches), "check")
+
+
+def test_series_applies_and_fork_is_in_sync():
+    result = run_tool("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "patch check ok" in result.stdout
+
+
+def test_check_catches_unexported_work_until_exported(scratch):
+    fork, patches = scratch
+    assert check(fork, patches).returncode == 0
+
+    target = fork / "deepspeed" / "runtime" / "zero" / "stage3.py"
+    target.write_text(target.read_text() + "\n# an edit nobody exported\n")
+    result = check(fork, patches)
+    assert result.returncode != 0
+    assert "uncommitted: deepspeed/runtime/zero/stage3.py" in result.stderr
+
+    # import refuses to discard the edit
+    refused = run_tool("--fork", str(fork), "--patches", str(patches), "import")
+    assert refused.returncode != 0 and "unexported work" in refused.stderr
+
+    git(fork, "commit", "--quiet", "-am", "ZeRO-3: an unexported change")
+    result = check(fork, patches)
+    assert result.returncode != 0
+    assert "unexported commit:" in result.stderr and "ZeRO-3: an unexported change" in result.stderr
+
+    exported = run_tool("--fork", str(fork), "--patches", str(patches), "export")
+    assert exported.returncode == 0, exported.stderr
+    assert check(fork, patches).returncode == 0
+    series = (patches / "series").read_text().split()
+    assert series[-1].endswith("zero-3-an-unexported-change.patch")
+
+    # re-exporting an unchanged tree changes no file
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir()}
+    assert run_tool("--fork", str(fork), "--patches", str(patches), "export").returncode == 0
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir()}
+    assert after == before
+
+
+def test_check_fails_when_a_patch_does_not_apply(scratch, tmp_path):
+    _, patches = scratch
+    broken = tmp_path / "patches"
+    shutil.copytree(patches, broken)
+    (broken / "9999-broken.patch").write_text((ROOT / "tests" / "tooling" / "broken.patch").read_text())
+    with open(broken / "series", "a") as f:
+        f.write("9999-broken.patch\n")
+    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(broken), "check")
+    assert result.returncode != 0
+    assert "9999-broken.patch does not apply" in result.stderr
+
+
+def test_sdist_hash_mismatch_is_refused(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import patches as tool
+    fake = tmp_path / "deepspeed-0.19.8.tar.gz"
+    fake.write_bytes(b"not the pinned sdist")
+    with pytest.raises(tool.PatchError, match="does not match the pin"):
+        tool.verify(fake, tool.pin())

@@ -1,0 +1,90 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-3 serial checkpoint loading (zero_optimization.pipeline_loading_checkpoint): local ranks load
+one at a time per node, for rigid and universal checkpoints, and every early exit fails every rank
+promptly instead of leaving the next local rank waiting for the token until the process-group
+timeout."""
+
+import os
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
+from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, save_in_world, shard_path,
+                                                 to_universal, train_and_save)
+from unit.common import DistributedTest
+
+PG_TIMEOUT_S = 30
+
+
+def serial_config(universal=False):
+    return make_config(3, "bf16", universal=universal, pipeline_loading_checkpoint=True)
+
+
+def assert_masters_equal(engine, saved):
+    loaded = masters(engine)
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def rigid_and_universal_roundtrip(tmpdir):
+    """Save from a plain engine, then load it with serial loading on, rigid and universal."""
+    save_dir = str(tmpdir)
+    saved_masters, _ = train_and_save(make_config(3, "bf16"), save_dir)
+    universal_tag = to_universal(save_dir)
+    for universal, tag in ((False, TAG), (True, universal_tag)):
+        engine = make_engine(serial_config(universal), seed=1)
+        engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=True)
+        assert_masters_equal(engine, saved_masters)
+
+
+class TestSerialLoadOneNode(DistributedTest):
+    world_size = 2
+    pg_timeout_s = PG_TIMEOUT_S
+
+    @pytest.mark.exec_timeout(150)
+    def test_rigid_and_universal(self, tmpdir):
+        rigid_and_universal_roundtrip(tmpdir)
+
+    @pytest.mark.exec_timeout(150)
+    def test_missing_first_shard_fails_every_rank(self, tmpdir):
+        save_dir = str(tmpdir)
+        train_and_save(make_config(3, "bf16"), save_dir)
+        if torch.distributed.get_rank() == 0:
+            os.remove(shard_path(save_dir, 0))
+        torch.distributed.barrier()
+        engine = make_engine(serial_config(), seed=1)
+        # The shard check that comes with load_fp32_weights rejects it before the serial load starts.
+        with pytest.raises((FileNotFoundError, RuntimeError, ZeRORuntimeException),
+                           match="optim_states|another rank failed"):
+            engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=True)
+
+
+@pytest.fixture
+def dp4_checkpoint(tmp_path):
+    # Saved by 4 ranks and loaded by 2: ZeRO-3 names each rank's model file by its DP rank.
+    save_in_world(tmp_path, world_size=4)
+    return str(tmp_path)
+
+
+class TestSerialLoadDPSizeChange(DistributedTest):
+    world_size = 2
+    pg_timeout_s = PG_TIMEOUT_S
+
+    @pytest.mark.exec_timeout(120)
+    def test_dp_size_change_raises_on_every_rank(self, dp4_checkpoint):
+        engine = make_engine(serial_config(), seed=1)
+        with pytest.raises(ZeRORuntimeException, match="DP world size of 4"):
+            engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=True)
+
+
+class TestSerialLoadTwoNodes(DistributedTest):
+    """4 ranks as 2 nodes x 2 local ranks: each node runs its own token chain."""
+    world_size = 4
+    local_size = 2
+    pg_timeout_s = PG_TIMEOUT_S
+
+    @pytest.mark.exec_timeout(200)
+    def test_rigid_and_universal(self, tmpdir):
+        rigid_and_universal_roundtrip(tmpdir)

@@ -1,0 +1,146 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Shared steps for the checkpoint-resume tests: train a tiny model, save, convert, reload, and read
+back the fp32 masters and optimizer moments of every parameter (gathered, so equal on every rank)."""
+
+import os
+from argparse import Namespace
+
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from unit.common import run_ranks
+from unit.simple_model import TinyMLP, fixed_batch, model_dtype, zero3_config
+
+TAG = "ckpt"
+
+
+def make_config(stage=3, precision="bf16", universal=False, **zero_overrides):
+    config = zero3_config(precision, **zero_overrides)
+    config["zero_optimization"]["stage"] = stage
+    if stage < 3:
+        config["zero_optimization"].pop("stage3_param_persistence_threshold")
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def make_engine(config, seed=0):
+    torch.manual_seed(seed)
+    model = TinyMLP()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def train(engine, steps=3):
+    x, y = fixed_batch(dtype=next(engine.module.parameters()).dtype, device=engine.device)
+    for _ in range(steps):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+
+def masters(engine):
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+
+
+def moments(engine):
+    """{name: {key: tensor or None}} for Adam's exp_avg / exp_avg_sq."""
+    base = _base_optimizer(engine)
+    present = {k for state in base.state.values() for k in state}
+    return {
+        n: {k: _clone(safe_get_full_optimizer_state(p, k)) if k in present else None
+            for k in ("exp_avg", "exp_avg_sq")}
+        for n, p in engine.module.named_parameters()
+    }
+
+
+def _base_optimizer(engine):
+    return engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+
+
+def steps(engine):
+    """The base optimizer's step count of each state entry (empty when the state is fresh)."""
+    base = _base_optimizer(engine)
+    return sorted(float(state["step"]) for state in base.state.values() if "step" in state)
+
+
+def _clone(t):
+    return None if t is None else t.clone()
+
+
+def train_and_save(config, save_dir, steps=3):
+    """Train a fresh engine and save it; returns the saved masters and moments."""
+    engine = make_engine(config)
+    train(engine, steps)
+    saved = masters(engine), moments(engine)
+    engine.save_checkpoint(save_dir, tag=TAG)
+    return saved
+
+
+def to_universal(save_dir):
+    """Convert save_dir/TAG to save_dir/TAG_universal on rank 0 (writes latest_universal)."""
+    if dist.get_rank() == 0:
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal_main
+        args = Namespace(input_folder=os.path.join(save_dir, TAG),
+                         output_folder=os.path.join(save_dir, f"{TAG}_universal"),
+                         num_extract_workers=1,
+                         num_merge_workers=1,
+                         keep_temp_folder=False,
+                         strict=True,
+                         inject_missing_state=False)
+        ds_to_universal_main(args)
+    dist.barrier()
+    return f"{TAG}_universal"
+
+
+def shard_path(save_dir, dp_rank, tag=TAG, bf16=True):
+    prefix = "bf16_" if bf16 else ""
+    return os.path.join(save_dir, tag, f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt")
+
+
+def snapshot(engine):
+    """Everything a rejected load must leave untouched: module (ZeRO-3: this rank's partition), masters,
+    moments, steps."""
+    return dict(module={n: getattr(p, "ds_tensor", p).detach().clone()
+                        for n, p in engine.module.named_parameters()},
+                masters=masters(engine),
+                moments=moments(engine),
+                steps=steps(engine),
+                global_steps=engine.global_steps)
+
+
+def assert_same(a, b, path="engine"):
+    """Bit-identical nested dicts / lists of tensors (None matches None)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+class _SaveInOtherWorld:
+    """Run by save_in_world(): trains and saves in a world of a different size."""
+
+    def save(self, save_dir, stage, precision):
+        saved_masters, _ = train_and_save(make_config(stage, precision), save_dir)
+        if dist.get_rank() == 0:
+            torch.save(saved_masters, os.path.join(save_dir, "saved_masters.pt"))
+
+
+def save_in_world(save_dir, world_size, stage=3, precision="bf16", timeout=420):
+    """Save a checkpoint from `world_size` ranks (spawned now, before the test's own ranks)."""
+    spec = dict(module_file=__file__,
+                class_name="_SaveInOtherWorld",
+                method_name="save",
+                kwargs=dict(save_dir=str(save_dir), stage=stage, precision=precision),
+                world_size=world_size,
+                local_size=world_size,
+                backend=None,
+                pg_timeout_s=60)
+    run_ranks(spec, timeout)

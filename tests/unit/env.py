@@ -1,0 +1,31 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Process environment shared by the tests, the benchmarks and the example (no pytest here)."""
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+
+def set_default_environment():
+    """DS_ACCELERATOR=cpu where no GPU is found, and a JIT-op cache beside the venv, one per DeepSpeed tree
+    (fork/, pristine/, worktrees): ops built from another tree's sources would otherwise be rebuilt on every
+    switch. Spawned ranks inherit both. Values already set win."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        tree = Path(importlib.util.find_spec("deepspeed").origin).resolve().parents[1]
+        tag = f"{tree.name}-{hashlib.sha1(str(tree).encode()).hexdigest()[:8]}"
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions", tag)
+
+
+def remove_shm_comm_buffers(master_addr, master_port):
+    """Unlink the /dev/shm buffers that DeepSpeed's CPU shm allreduce creates per process group
+    (named after MASTER_ADDR and MASTER_PORT). It never unlinks them, so without this each multi-rank
+    run leaves tens of MiB of RAM behind in /dev/shm."""
+    for path in Path("/dev/shm").glob(f"deepspeed_*_{master_addr}_{master_port}_*"):
+        path.unlink(missing_ok=True)
