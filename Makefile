@@ -19,8 +19,12 @@ test: setup
 test-pristine: setup pristine
 	PYTHONPATH=$(CURDIR)/pristine $(VPY) -m pytest tests $(PYTEST_ARGS)
 
+# The main job: ZeRO-3 (fp32 + torch autocast) on the CPU accelerator, 2 ranks, under the deepspeed launcher.
+DEMO_CONFIG ?= examples/configs/zero3_autocast.json
 demo: setup
-	$(VPY) examples/demo.py
+	DS_ACCELERATOR=cpu $(VENV)/bin/deepspeed --num_gpus 2 --master_port 29511 examples/train.py \
+		--deepspeed_config $(DEMO_CONFIG) --steps 5
+	rm -f /dev/shm/deepspeed_*_127.0.0.1_29511_*
 
 setup: venv fork install
 
