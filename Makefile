@@ -22,7 +22,8 @@ test-pristine: setup pristine
 # The main job: ZeRO-3 (fp32 + torch autocast) on the CPU accelerator, 2 ranks, under the deepspeed launcher.
 DEMO_CONFIG ?= examples/configs/zero3_autocast.json
 demo: setup
-	DS_ACCELERATOR=cpu $(VENV)/bin/deepspeed --num_gpus 2 --master_port 29511 examples/train.py \
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions/demo \
+		$(VENV)/bin/deepspeed --num_gpus 2 --master_port 29511 examples/train.py \
 		--deepspeed_config $(DEMO_CONFIG) --steps 5
 	rm -f /dev/shm/deepspeed_*_127.0.0.1_29511_*
 
