@@ -49,7 +49,8 @@ install: fork
 	@if $(VPY) -c "import deepspeed, pathlib, sys; sys.exit(pathlib.Path(deepspeed.__file__).resolve().parents[1] != pathlib.Path('fork').resolve())" 2>/dev/null; then \
 		echo "deepspeed: editable install of fork/ present"; \
 	else \
-		DS_BUILD_OPS=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps -e fork; \
+		DS_BUILD_OPS=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps -e fork >$(VENV)/install.log 2>&1 \
+			|| { cat $(VENV)/install.log; exit 1; }; \
 	fi
 
 export:

@@ -3,7 +3,6 @@
 """Helpers for the ZeRO-3 universal checkpoint tests: save a ZeRO-3 run, convert it with
 ds_to_universal, load it into another layout, and read back the state that was saved."""
 
-import argparse
 import glob
 import os
 
@@ -13,6 +12,7 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import PARAM
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from unit.checkpoint.convert import convert_to_universal
 from unit.simple_model import zero3_config
 
 HIDDEN = 16
@@ -185,19 +185,7 @@ def assert_same_state(before, after):
 def save_and_convert(engine, save_dir, tag="saved", inject_missing_state=False):
     """Save a checkpoint, convert it on rank 0 and return the universal tag next to it."""
     engine.save_checkpoint(save_dir, tag=tag)
-    universal_tag = f"{tag}_universal"
-    if dist.get_rank() == 0:
-        args = argparse.Namespace(input_folder=os.path.join(save_dir, tag),
-                                  output_folder=os.path.join(save_dir, universal_tag),
-                                  num_extract_workers=1,
-                                  num_merge_workers=1,
-                                  keep_temp_folder=False,
-                                  strict=True,
-                                  inject_missing_state=inject_missing_state)
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-        ds_to_universal(args)
-    dist.barrier()
-    return universal_tag
+    return convert_to_universal(save_dir, tag, inject_missing_state=inject_missing_state)
 
 
 def state_files(save_dir, tag):

@@ -4,15 +4,15 @@
 back the fp32 masters and optimizer moments of every parameter (gathered, so equal on every rank)."""
 
 import os
-from argparse import Namespace
 
 import torch
 
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from unit.checkpoint.convert import convert_to_universal
 from unit.common import run_ranks
-from unit.simple_model import TinyMLP, fixed_batch, model_dtype, zero3_config
+from unit.simple_model import TinyMLP, fixed_batch, zero3_config
 
 TAG = "ckpt"
 
@@ -82,18 +82,7 @@ def train_and_save(config, save_dir, steps=3):
 
 def to_universal(save_dir):
     """Convert save_dir/TAG to save_dir/TAG_universal on rank 0 (writes latest_universal)."""
-    if dist.get_rank() == 0:
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal_main
-        args = Namespace(input_folder=os.path.join(save_dir, TAG),
-                         output_folder=os.path.join(save_dir, f"{TAG}_universal"),
-                         num_extract_workers=1,
-                         num_merge_workers=1,
-                         keep_temp_folder=False,
-                         strict=True,
-                         inject_missing_state=False)
-        ds_to_universal_main(args)
-    dist.barrier()
-    return f"{TAG}_universal"
+    return convert_to_universal(save_dir, TAG)
 
 
 def shard_path(save_dir, dp_rank, tag=TAG, bf16=True):
