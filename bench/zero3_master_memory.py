@@ -84,8 +84,8 @@ def measure_engine(engine):
     counter = StorageCounter()
     counter.add("weights", [p.ds_tensor for p in engine.module.parameters()])
     counter.add("masters", optimizer.fp32_partitioned_groups_flat)
-    counter.add("grads", [optimizer.grad_partitions_flat_buffer] +
-                [m.grad for m in optimizer.fp32_partitioned_groups_flat])
+    counter.add("grads",
+                [optimizer.grad_partitions_flat_buffer] + [m.grad for m in optimizer.fp32_partitioned_groups_flat])
     states = [v for s in optimizer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     counter.add("optim", [t for t in states if t.numel() > 1])
     numel = sum(p.ds_tensor.numel() for p in engine.module.parameters())
@@ -93,8 +93,12 @@ def measure_engine(engine):
 
 
 def rank_main(rank, args, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(args.world_size), LOCAL_SIZE=str(args.world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port),
+                      RANK=str(rank),
+                      LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.world_size),
+                      LOCAL_SIZE=str(args.world_size))
     import torch
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -111,15 +115,21 @@ def rank_main(rank, args, port, queue):
         model = TinyMLP(hidden=args.hidden, nlayers=args.layers)
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=model.parameters(),
                                                config=config_for(precision, args.hidden))
         x, y = fixed_batch(hidden=args.hidden, dtype=model_dtype(precision), device=engine.device)
         for _ in range(2):
             engine.backward(engine(x, y))
             engine.step()
         per_param, numel = measure_engine(engine)
-        row = {"precision": precision, "rank": rank, "numel": numel, "bytes_per_param": per_param,
-               "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        row = {
+            "precision": precision,
+            "rank": rank,
+            "numel": numel,
+            "bytes_per_param": per_param,
+            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        }
         if on_cuda:
             row["allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -168,8 +178,12 @@ def run_impl(name, args):
     env.setdefault("DS_ACCELERATOR", "cuda" if args.cuda else "cpu")
     if name == "pristine":
         env["PYTHONPATH"] = str(ROOT / "pristine") + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, __file__, "--worker", "--world-size", str(args.world_size), "--hidden", str(args.hidden),
-           "--layers", str(args.layers), "--precisions", *args.precisions]
+    cmd = [
+        sys.executable, __file__, "--worker", "--world-size",
+        str(args.world_size), "--hidden",
+        str(args.hidden), "--layers",
+        str(args.layers), "--precisions", *args.precisions
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 120)
     line = next((text for text in proc.stdout.splitlines() if text.startswith("RESULTS ")), None)
     if proc.returncode != 0 or line is None:
@@ -185,8 +199,10 @@ def print_table(results, args):
     print(f"\nZeRO-3 persistent state per rank, bytes per parameter (rank 0 of {args.world_size}, "
           f"TinyMLP hidden={args.hidden} x {args.layers} layers, {results['fork'][args.precisions[0]]['numel']} "
           f"params per rank, after 2 steps)\n")
-    header = ["precision", "build", "weights", "masters", "grads", "Adam", "W+M+Adam", "analytic min W+M+Adam",
-              "saved vs 0.19.8", "max RSS MiB"]
+    header = [
+        "precision", "build", "weights", "masters", "grads", "Adam", "W+M+Adam", "analytic min W+M+Adam",
+        "saved vs 0.19.8", "max RSS MiB"
+    ]
     if args.cuda:
         header += ["allocated GiB", "peak GiB"]
     print("| " + " | ".join(header) + " |")
@@ -199,9 +215,16 @@ def print_table(results, args):
             b = row["bytes_per_param"]
             wma = b["weights"] + b["masters"] + b["optim"]
             saved = (base["weights"] + base["masters"] + base["optim"]) - wma
-            cells = [DESCRIPTION[precision], "0.19.8" if build == "pristine" else "fork", fmt(b["weights"]),
-                     fmt(b["masters"]), fmt(b["grads"]), fmt(b["optim"]), fmt(wma), fmt(float(minimum)),
-                     fmt(saved) if build == "fork" else "", f"{row['max_rss_mib']:.0f}"]
+            cells = [
+                DESCRIPTION[precision], "0.19.8" if build == "pristine" else "fork",
+                fmt(b["weights"]),
+                fmt(b["masters"]),
+                fmt(b["grads"]),
+                fmt(b["optim"]),
+                fmt(wma),
+                fmt(float(minimum)),
+                fmt(saved) if build == "fork" else "", f"{row['max_rss_mib']:.0f}"
+            ]
             if args.cuda:
                 cells += [f"{row['allocated_gib']:.3f}", f"{row['peak_gib']:.3f}"]
             print("| " + " | ".join(cells) + " |")

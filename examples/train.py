@@ -123,8 +123,10 @@ def main():
         engine.step()
         losses.append(loss.item())
         if rank == 0:
-            print(f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} time {time.perf_counter() - start:.2f}s "
-                  f"state {persistent_bytes_per_param(engine):.2f} B/param (rank 0)", flush=True)
+            print(
+                f"step {step + 1}/{args.steps} loss {losses[-1]:.4f} time {time.perf_counter() - start:.2f}s "
+                f"state {persistent_bytes_per_param(engine):.2f} B/param (rank 0)",
+                flush=True)
     if not all(torch.isfinite(torch.tensor(losses))):
         sys.exit(f"non-finite loss: {losses}")
 

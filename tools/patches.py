@@ -50,7 +50,9 @@ def pin():
 
 def git(repo, *args, env=None, check=True, capture=True):
     full_env = dict(os.environ, **(env or {}))
-    proc = subprocess.run(["git", "-C", str(repo), *args], env=full_env, text=True,
+    proc = subprocess.run(["git", "-C", str(repo), *args],
+                          env=full_env,
+                          text=True,
                           stdout=subprocess.PIPE if capture else None,
                           stderr=subprocess.PIPE if capture else None)
     if check and proc.returncode != 0:
@@ -77,8 +79,10 @@ def fetch():
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                   "--dest", tmp, f"deepspeed=={p['version']}"]
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", tmp,
+                f"deepspeed=={p['version']}"
+            ]
             subprocess.run(cmd, check=True)
             found = list(Path(tmp).glob(f"deepspeed-{p['version']}.tar.gz"))
             if not found:
@@ -129,7 +133,12 @@ def init_upstream_repo(tree):
     # Upstream's own ignore rules stay out of the way: the fork tree tracks every sdist file.
     (Path(tree) / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n*.egg-info/\nbuild/\n*.so\n")
     git(tree, "add", "--all", "--force", ".")
-    git(tree, "commit", "--quiet", "--no-verify", "-m", f"upstream: deepspeed {pin()['version']} (PyPI sdist)",
+    git(tree,
+        "commit",
+        "--quiet",
+        "--no-verify",
+        "-m",
+        f"upstream: deepspeed {pin()['version']} (PyPI sdist)",
         env=GIT_ENV)
     git(tree, "tag", UPSTREAM_TAG)
     # `pip install -e` rewrites this file with build info; it is not part of any patch.
@@ -141,8 +150,10 @@ def apply_series(tree, patches_dir, three_way=False):
         args = ["am", "--quiet", "--keep-cr", "--committer-date-is-author-date"]
         if three_way:
             args.append("--3way")
-        proc = subprocess.run(["git", "-C", str(tree), *args, str(patch.resolve())], text=True,
-                              capture_output=True, env=dict(os.environ, **GIT_ENV))
+        proc = subprocess.run(["git", "-C", str(tree), *args, str(patch.resolve())],
+                              text=True,
+                              capture_output=True,
+                              env=dict(os.environ, **GIT_ENV))
         if proc.returncode != 0:
             raise PatchError(f"{patch.name} does not apply:\n{proc.stdout}{proc.stderr}\n"
                              f"Resolve in {tree} and `git am --continue`, or retry with --3way.")
@@ -222,8 +233,11 @@ def unexported(fork, patches_dir):
 def series_message(patch):
     """The commit message a patch file carries, as git am would record it."""
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(["git", "mailinfo", "-k", f"{tmp}/msg", f"{tmp}/diff"], stdin=open(patch),
-                              text=True, capture_output=True, check=True)
+        proc = subprocess.run(["git", "mailinfo", "-k", f"{tmp}/msg", f"{tmp}/diff"],
+                              stdin=open(patch),
+                              text=True,
+                              capture_output=True,
+                              check=True)
         subject = next(line[len("Subject: "):] for line in proc.stdout.splitlines() if line.startswith("Subject: "))
         body = Path(f"{tmp}/msg").read_text().strip()
     return f"{subject}\n\n{body}".strip() if body else subject
@@ -245,8 +259,8 @@ def cmd_check(args):
     if problems:
         print("patch check FAILED:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
         return 1
-    print(f"patch check ok: {len(read_series(args.patches))} patches apply to pristine {pin()['version']}"
-          + ("; fork/ is in sync" if fork.exists() else ""))
+    print(f"patch check ok: {len(read_series(args.patches))} patches apply to pristine {pin()['version']}" +
+          ("; fork/ is in sync" if fork.exists() else ""))
     return 0
 
 

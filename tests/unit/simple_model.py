@@ -35,7 +35,13 @@ def zero3_config(precision="fp32", lr=1e-2, **zero_overrides):
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**6,
-        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": lr,
+                "torch_adam": True
+            }
+        },
         "zero_optimization": zero,
     }
     if precision == "autocast":

@@ -51,8 +51,10 @@ def moments(engine):
     base = _base_optimizer(engine)
     present = {k for state in base.state.values() for k in state}
     return {
-        n: {k: _clone(safe_get_full_optimizer_state(p, k)) if k in present else None
-            for k in ("exp_avg", "exp_avg_sq")}
+        n: {
+            k: _clone(safe_get_full_optimizer_state(p, k)) if k in present else None
+            for k in ("exp_avg", "exp_avg_sq")
+        }
         for n, p in engine.module.named_parameters()
     }
 
@@ -93,8 +95,10 @@ def shard_path(save_dir, dp_rank, tag=TAG, bf16=True):
 def snapshot(engine):
     """Everything a rejected load must leave untouched: module (ZeRO-3: this rank's partition), masters,
     moments, steps."""
-    return dict(module={n: getattr(p, "ds_tensor", p).detach().clone()
-                        for n, p in engine.module.named_parameters()},
+    return dict(module={
+        n: getattr(p, "ds_tensor", p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    },
                 masters=masters(engine),
                 moments=moments(engine),
                 steps=steps(engine),

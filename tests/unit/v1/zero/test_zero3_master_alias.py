@@ -228,8 +228,8 @@ class TestGatheredParametersEdits(DistributedTest):
     step() overwrites them from the master unless refresh_fp32_params() is called (as in upstream)."""
     world_size = 2
 
-    @pytest.mark.parametrize("precision, refresh", [(p, False) for p in ALIASED + NOT_ALIASED] +
-                             [(p, True) for p in NOT_ALIASED])
+    @pytest.mark.parametrize("precision, refresh",
+                             [(p, False) for p in ALIASED + NOT_ALIASED] + [(p, True) for p in NOT_ALIASED])
     def test_edit_survives_step(self, precision, refresh):
         engine = make_engine(precision, zero3_config(precision, lr=0.0))  # lr 0: a step changes no weight
         weight = engine.module.layers[0].weight

@@ -19,7 +19,8 @@ class TestZero3Trains(DistributedTest):
     def test_three_steps_finite_falling_loss(self, precision):
         torch.manual_seed(0)
         model = TinyMLP()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=model.parameters(),
                                                config=zero3_config(precision))
         x, y = fixed_batch(dtype=model_dtype(precision), device=engine.device)
         losses = []
