@@ -28,6 +28,7 @@ from pathlib import Path
 from queue import Empty
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' model, configs and environment helpers
 PRECISIONS = ["fp32", "autocast", "bf16_master", "bf16"]
 DESCRIPTION = {
     "fp32": "fp32",
@@ -46,7 +47,6 @@ def analytic_minimum(precision):
 
 
 def config_for(precision, hidden):
-    sys.path.insert(0, str(ROOT / "tests"))
     from unit.simple_model import zero3_config
     config = zero3_config(precision)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
@@ -102,7 +102,6 @@ def rank_main(rank, args, port, queue):
     import torch
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    sys.path.insert(0, str(ROOT / "tests"))
     from unit.simple_model import TinyMLP, fixed_batch, model_dtype
     accelerator = get_accelerator()
     on_cuda = accelerator.device_name() == "cuda"
@@ -143,7 +142,6 @@ def rank_main(rank, args, port, queue):
 
 def run_worker(args):
     import torch.multiprocessing as mp
-    sys.path.insert(0, str(ROOT / "tests"))
     from unit.env import remove_shm_comm_buffers, set_default_environment
     set_default_environment()  # this build's own JIT-op cache
     with socket.socket() as s:
