@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup venv fork sync install export check pristine bench clean
+.PHONY: test test-pristine demo setup system-deps venv fork sync install export check pristine bench clean
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -27,7 +27,11 @@ demo: setup
 		--deepspeed_config $(DEMO_CONFIG) --steps 5
 	rm -f /dev/shm/deepspeed_*_127.0.0.1_29511_*
 
-setup: venv fork install
+setup: system-deps venv fork install
+
+# libaio headers for the async_io op (NVMe offload tests); apt-get when root, else a warning.
+system-deps:
+	@tools/system-deps.sh
 
 venv: $(VENV)/.deps-stamp
 
