@@ -19,13 +19,10 @@ test: setup
 test-pristine: setup pristine
 	PYTHONPATH=$(CURDIR)/pristine $(VPY) -m pytest tests $(PYTEST_ARGS)
 
-# The main job: ZeRO-3 (fp32 + torch autocast) on the CPU accelerator, 2 ranks, under the deepspeed launcher.
-DEMO_CONFIG ?= examples/configs/zero3_autocast.json
-demo: setup
-	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions/demo \
-		$(VENV)/bin/deepspeed --num_gpus 2 --master_port 29511 examples/train.py \
-		--deepspeed_config $(DEMO_CONFIG) --steps 5
-	rm -f /dev/shm/deepspeed_*_127.0.0.1_29511_*
+# The main job: examples/train.py under the deepspeed launcher on 2 CPU ranks, walking through each fix
+# with checks (examples/walkthrough.py; pristine 0.19.8 runs beside the fork for contrast).
+demo: setup pristine
+	$(VPY) examples/walkthrough.py
 
 setup: system-deps venv fork install
 

@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from unit.env import set_default_environment  # noqa: E402
+from unit.cells import CellRecorder  # noqa: E402
+from unit.env import deepspeed_tree, set_default_environment  # noqa: E402
 
 set_default_environment()
 
@@ -18,7 +19,8 @@ set_default_environment()
 def pytest_configure(config):
     config.addinivalue_line("markers", "world_size(n): run this DistributedTest method in n ranks")
     config.addinivalue_line("markers", "exec_timeout(seconds): fail (and kill every rank) after this long")
-    config.addinivalue_line("markers", "cell(**axes): the compatibility-matrix cell a test validates")
+    config.addinivalue_line("markers", "cell(**axes): the compatibility-matrix cell a test validates (unit/cells.py)")
+    config.pluginmanager.register(CellRecorder(deepspeed_tree()), "cells")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -18,9 +18,18 @@ def set_default_environment():
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
-        tree = Path(importlib.util.find_spec("deepspeed").origin).resolve().parents[1]
-        tag = f"{tree.name}-{hashlib.sha1(str(tree).encode()).hexdigest()[:8]}"
-        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions", tag)
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir(deepspeed_tree())
+
+
+def deepspeed_tree():
+    """The source tree `import deepspeed` finds (fork/, pristine/ on PYTHONPATH, a worktree)."""
+    return Path(importlib.util.find_spec("deepspeed").origin).resolve().parents[1]
+
+
+def extensions_dir(tree):
+    """The JIT-op cache of one DeepSpeed tree, inside the venv."""
+    tag = f"{tree.name}-{hashlib.sha1(str(Path(tree).resolve()).encode()).hexdigest()[:8]}"
+    return os.path.join(sys.prefix, "torch_extensions", tag)
 
 
 def remove_shm_comm_buffers(master_addr, master_port):

@@ -35,11 +35,16 @@ def saved_mlp_run(save_dir, data):
     return saved, saved_steps, tag, reference_loss
 
 
+@pytest.mark.cell(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal")
 class TestZero3UniversalIntoAutoTP(DistributedTest):
     world_size = 2
 
     # DP2 -> TP2 from the folder as converted is the first stop of test_layout_round_trip.
-    @pytest.mark.parametrize("tp_size, file_format", [(1, "converted"), (1, "bare_0198"), (2, "bare_0198")])
+    @pytest.mark.parametrize("tp_size, file_format", [
+        pytest.param(1, "converted", marks=pytest.mark.cell(layout="dp2->dp2")),
+        pytest.param(1, "bare_0198", marks=pytest.mark.cell(layout="dp2->dp2")),
+        pytest.param(2, "bare_0198", marks=pytest.mark.cell(layout="dp2->tp2")),
+    ])
     def test_restore_bitwise_and_resume(self, tmpdir, tp_size, file_format):
         """DP2 -> TP1 x DP2 and DP2 -> TP2, from the folder as converted and from the bare tensors
         that 0.19.8's converter writes for ZeRO-3 without TP."""
@@ -58,6 +63,7 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
         assert_restored_bitwise(resumed, saved, saved_steps)
         assert train(resumed, data[4:]) == pytest.approx(reference_loss, rel=1e-6)
 
+    @pytest.mark.cell(stage=1, layout="dp2->dp2")
     def test_zero1_loads_bare_tensor_folder(self, tmpdir):
         """The ZeRO-1/2 loader accepts state files holding a bare tensor, the form 0.19.8's converter
         writes for ZeRO-3 without TP, bit for bit. (The engine cannot load a ZeRO-3 folder into
@@ -77,6 +83,7 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
         assert_restored_bitwise(resumed, saved, saved_steps)
         assert train(resumed, data[4:]) == pytest.approx(reference_loss, rel=1e-6)
 
+    @pytest.mark.cell(layout="dp2->tp2")
     def test_hf_llama_restores_bitwise_under_autotp(self, tmpdir):
         """A tiny random Llama trained under ZeRO-3 DP2 restores bit for bit into AutoTP TP2, with
         AutoTP matching the layers itself."""
@@ -92,6 +99,7 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
         assert assert_restored_bitwise(resumed, saved, saved_steps) >= 14  # q/k/v/o, gate/up/down per layer
         assert train_lm(resumed, data[4:]) == pytest.approx(reference_loss, rel=1e-5)
 
+    @pytest.mark.cell(layout="dp2->tp2")
     @pytest.mark.exec_timeout(300)
     def test_bad_folder_refused_on_every_rank(self, tmpdir):
         """Wrong element count, wrong shape, a missing state file, and a problem only one rank can
@@ -160,7 +168,11 @@ class LayoutRoundTripPhases:
 
 
 # At 4 ranks: DP4 -> TP2 x DP2 -> DP4, the layout change users make (about two minutes on 2 cores).
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.cell(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal")
+@pytest.mark.parametrize("world_size", [
+    pytest.param(2, marks=pytest.mark.cell(layout="dp2->tp2->dp2")),
+    pytest.param(4, marks=pytest.mark.cell(layout="dp4->tp2xdp2->dp4")),
+])
 def test_layout_round_trip(tmpdir, world_size):
     """DP -> TP2 -> DP through two conversions (DP2 -> TP2 -> DP2, DP4 -> TP2xDP2 -> DP4): bit for bit at each
     stop, and after each the same loss as the run that did not stop."""

@@ -39,6 +39,7 @@ def rigid_and_universal_roundtrip(tmpdir):
         assert_masters_equal(engine, saved_masters)
 
 
+@pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", checkpoint=["rigid", "universal"])
 class TestSerialLoadOneNode(DistributedTest):
     world_size = 2
     pg_timeout_s = PG_TIMEOUT_S
@@ -48,6 +49,7 @@ class TestSerialLoadOneNode(DistributedTest):
         rigid_and_universal_roundtrip(tmpdir)
 
     @pytest.mark.exec_timeout(150)
+    @pytest.mark.cell(checkpoint="rigid")
     def test_missing_first_shard_fails_every_rank(self, tmpdir):
         save_dir = str(tmpdir)
         train_and_save(make_config(3, "bf16"), save_dir)
@@ -68,6 +70,7 @@ def dp4_checkpoint(tmp_path):
     return str(tmp_path)
 
 
+@pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", checkpoint="rigid", layout="dp4->dp2")
 class TestSerialLoadDPSizeChange(DistributedTest):
     world_size = 2
     pg_timeout_s = PG_TIMEOUT_S
@@ -79,6 +82,11 @@ class TestSerialLoadDPSizeChange(DistributedTest):
             engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=True)
 
 
+@pytest.mark.cell(feature="serial-load",
+                  stage=3,
+                  precision="bf16",
+                  checkpoint=["rigid", "universal"],
+                  layout="none, 2 nodes x 2 ranks")
 class TestSerialLoadTwoNodes(DistributedTest):
     """4 ranks as 2 nodes x 2 local ranks: each node runs its own token chain."""
     world_size = 4

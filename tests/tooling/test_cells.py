@@ -1,0 +1,91 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""The validated-cells matrix: what the recorder writes for passed, failed, skipped and deselected
+tests, and the markdown that tools/cells.py prints from it."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+TOOLS_CELLS = Path(__file__).resolve().parents[2] / "tools" / "cells.py"
+
+SAMPLE_TESTS = '''
+import pytest
+
+
+@pytest.mark.cell(feature="resume", stage=3, precision="bf16")
+class TestResume:
+
+    @pytest.mark.parametrize("checkpoint", ["rigid", "universal"])
+    def test_table(self, checkpoint):
+        assert checkpoint != "universal"
+
+    @pytest.mark.cell(offload="nvme", checkpoint=["rigid", "universal"])
+    def test_nvme(self):
+        pytest.skip("no libaio")
+
+    @pytest.mark.parametrize("stage, precision", [(1, "fp16"), (2, "bf16")])
+    def test_zero12(self, stage, precision):
+        pass
+
+    def test_deselected(self):
+        pass
+
+
+def test_without_cell_is_not_recorded():
+    pass
+'''
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("tools_cells", TOOLS_CELLS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_sample(pytester, tmp_path):
+    results = tmp_path / "cells.json"
+    pytester.makeconftest(f'''
+import pytest
+from unit.cells import CellRecorder
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cell(**axes): cell")
+    config.pluginmanager.register(CellRecorder("fork", {str(results)!r}), "cells")
+''')
+    pytester.makepyfile(test_sample=SAMPLE_TESTS)
+    pytester.runpytest_inprocess("-k", "not deselected", "-p", "no:cacheprovider").assert_outcomes(passed=4,
+                                                                                                   failed=1,
+                                                                                                   skipped=1)
+    return json.loads(results.read_text())
+
+
+def test_recorder_outcomes_and_cells(pytester, tmp_path):
+    tests = run_sample(pytester, tmp_path)["tests"]
+    outcome = {nodeid.split("::")[-1]: test["outcome"] for nodeid, test in tests.items()}
+    assert outcome == {
+        "test_table[rigid]": "passed",
+        "test_table[universal]": "failed",
+        "test_nvme": "skipped",
+        "test_zero12[1-fp16]": "passed",
+        "test_zero12[2-bf16]": "passed",
+        "test_deselected": "not run",
+    }
+    nvme = tests["test_sample.py::TestResume::test_nvme"]["cells"]
+    assert [c["checkpoint"] for c in nvme] == ["rigid", "universal"]
+    assert {c["offload"] for c in nvme} == {"nvme"}
+    assert tests["test_sample.py::TestResume::test_zero12[1-fp16]"]["cells"] == [
+        dict(feature="resume", stage="1", precision="fp16", offload="none", checkpoint="-", layout="none")
+    ]
+
+
+def test_matrix_statuses(pytester, tmp_path):
+    table = load_tool().matrix(run_sample(pytester, tmp_path)).splitlines()
+    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:7]) for line in table[2:] if "|" in line}
+    assert ("resume", "3", "bf16", "none", "rigid", "none", "validated") in rows
+    assert ("resume", "3", "bf16", "none", "universal", "none", "FAILED") in rows
+    assert ("resume", "3", "bf16", "nvme", "universal", "none", "not run") in rows
+    assert ("resume", "1", "fp16", "none", "-", "none", "validated") in rows
+    assert ("resume", "3", "bf16", "none", "-", "none", "not run") in rows  # test_deselected
+    assert table[0].startswith("| feature | ZeRO stage | precision | offload | checkpoint | layout change")

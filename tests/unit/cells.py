@@ -1,0 +1,76 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""The compatibility-matrix cell each test validates, and the pytest plugin that records, per run, which
+cells passed, failed or were not run (test-results/cells.json; `tools/cells.py` prints the matrix).
+
+A test declares its cell with `@pytest.mark.cell(feature=..., stage=..., precision=..., offload=...,
+checkpoint=..., layout=...)` on the test, its class or a pytest.param (the closest wins). A parametrize
+argument named after an axis fills that axis, so one parametrized test covers several cells; a list value
+means the test covers each of those cells (e.g. checkpoint=["rigid", "universal"])."""
+
+import itertools
+
+import json
+import os
+import time
+from pathlib import Path
+
+AXES = ("feature", "stage", "precision", "offload", "checkpoint", "layout")
+DEFAULTS = dict(offload="none", checkpoint="-", layout="none")
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "test-results"
+
+
+def cells_of(item):
+    """[{axis: value}] of the cells a collected test validates ([] for a test without a cell)."""
+    markers = list(item.iter_markers("cell"))  # closest first
+    if not markers:
+        return []
+    cell = dict(DEFAULTS)
+    for marker in reversed(markers):
+        cell.update(marker.kwargs)
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        cell.update({axis: value for axis, value in callspec.params.items() if axis in AXES})
+    unknown, missing = set(cell) - set(AXES), [axis for axis in AXES if axis not in cell]
+    if unknown or missing:
+        raise ValueError(f"{item.nodeid}: cell marker has unknown axes {sorted(unknown)} / misses {missing}")
+    choices = [cell[axis] if isinstance(cell[axis], (list, tuple)) else [cell[axis]] for axis in AXES]
+    return [dict(zip(AXES, map(str, values))) for values in itertools.product(*choices)]
+
+
+def results_file(deepspeed_tree):
+    """cells.json for the fork (the installed tree), cells-<tree>.json for any other (pristine/, worktrees)."""
+    name = "cells.json" if Path(deepspeed_tree).name == "fork" else f"cells-{Path(deepspeed_tree).name}.json"
+    return RESULTS_DIR / name
+
+
+class CellRecorder:
+    """Records the outcome of every collected test that has a cell, deselected ones as "not run"."""
+
+    def __init__(self, deepspeed_tree, path=None):
+        self.deepspeed_tree = str(deepspeed_tree)
+        self.path = Path(path) if path else results_file(deepspeed_tree)
+        self.tests = {}
+
+    def pytest_itemcollected(self, item):
+        cells = cells_of(item)
+        if cells:
+            self.tests[item.nodeid] = dict(cells=cells, outcome="not run")
+
+    def pytest_runtest_logreport(self, report):
+        test = self.tests.get(report.nodeid)
+        if test is None or test["outcome"] == "failed":
+            return
+        if report.failed:
+            test["outcome"] = "failed"
+        elif report.skipped:
+            test["outcome"] = "skipped"
+        elif report.when == "call":
+            test["outcome"] = "passed"
+
+    def pytest_sessionfinish(self, session):
+        if session.config.option.collectonly or not self.tests:
+            return
+        os.makedirs(self.path.parent, exist_ok=True)
+        record = dict(finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"), deepspeed=self.deepspeed_tree, tests=self.tests)
+        self.path.write_text(json.dumps(record, indent=1) + "\n")
