@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps venv fork sync install export check pristine bench clean
+.PHONY: test test-pristine demo setup system-deps venv fork sync install export check pristine bench cells clean
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -65,6 +65,10 @@ pristine: venv
 
 bench: setup pristine
 	$(VPY) bench/zero3_master_memory.py
+
+# The validated-cells matrix from the last test run (markdown; tools/cells.py --help).
+cells:
+	$(VPY) tools/cells.py
 
 clean:
 	rm -rf $(VENV) fork pristine .cache
