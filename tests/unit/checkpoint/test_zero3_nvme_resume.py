@@ -1,0 +1,194 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-3 with the optimizer offloaded to NVMe: every load_checkpoint mode ends in the same fp32 masters,
+moments and steps as the same run without offload (test_zero_resume_fp32_masters.py), for the sub-groups
+swapped to NVMe and for those kept in memory because they are below the aio minimum size."""
+
+import os
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.runtime.zero.partition_parameters import Init
+from unit.checkpoint.zero_resume_helpers import TAG, assert_same, make_config, masters, moments, steps
+from unit.common import DistributedTest
+
+SAVED_STEPS = 3
+# The big layer's weight is a sub-group of its own whose per-rank fp32 partition (768 * 768 / 2 elements,
+# 1.2 MB) reaches the aio minimum (1 MiB) and is swapped; the rest (bias and the small layer) form a second
+# sub-group that stays in memory.
+BIG, SMALL = 768, 16
+SUB_GROUP_SIZE = 100_000
+
+# (load_optimizer_states, load_fp32_weights, load_module_only) -> (masters, moments/step)
+RESUME_TABLE = [
+    (True, None, False, "saved", "saved"),
+    (True, True, False, "saved", "saved"),
+    (True, False, False, "rounded", "saved"),
+    (False, None, False, "saved", "fresh"),
+    (False, True, False, "saved", "fresh"),
+    (False, False, False, "rounded", "fresh"),
+    (False, True, True, "rounded", "fresh"),
+    (True, True, True, "rounded", "fresh"),
+]
+# load_fp32_weights left out (None): it is ignored with load_module_only, and 0.19.8 does not take it.
+MODULE_ONLY_ROWS = [(False, None, True, "rounded", "fresh"), (True, None, True, "rounded", "fresh")]
+
+
+def aio_missing():
+    try:
+        return not AsyncIOBuilder().is_compatible()
+    except Exception:  # noqa: BLE001 -- any failure to probe the op means it cannot be used
+        return True
+
+
+pytestmark = pytest.mark.skipif(aio_missing(),
+                                reason="NVMe offload needs the async_io op (libaio-dev), "
+                                "which AsyncIOBuilder().is_compatible() reports unavailable here")
+
+
+class TwoSizeMLP(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(BIG, BIG)
+        self.small = torch.nn.Linear(BIG, SMALL)
+        self.loss_fn = torch.nn.MSELoss()
+
+    def forward(self, x, y):
+        return self.loss_fn(self.small(torch.tanh(self.big(x))), y)
+
+
+def nvme_config(nvme_path, universal=False):
+    return make_config(3,
+                       "bf16",
+                       universal=universal,
+                       sub_group_size=SUB_GROUP_SIZE,
+                       offload_optimizer={
+                           "device": "nvme",
+                           "nvme_path": str(nvme_path)
+                       })
+
+
+def make_nvme_engine(config, seed=0):
+    # Swap files are named after the parameters' ds_id, counted process-wide: start from 0 as a resumed process
+    # does, so that each engine of this process finds the files that the saving engine wrote.
+    Init.param_id = 0
+    torch.manual_seed(seed)
+    model = TwoSizeMLP()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def train(engine, steps=SAVED_STEPS):
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(4, BIG, generator=gen).to(device=engine.device, dtype=torch.bfloat16)
+    y = torch.tanh(torch.randn(4, SMALL, generator=gen)).to(device=engine.device, dtype=torch.bfloat16)
+    for _ in range(steps):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+
+def swapped_sub_groups(engine):
+    """Per sub-group: whether its fp32 partition and optimizer state live on NVMe."""
+    optimizer = engine.optimizer
+    return [optimizer._swappable_optimizer_subgroup(i) for i in range(len(optimizer.fp16_groups))]
+
+
+def assert_both_kinds(engine):
+    kinds = swapped_sub_groups(engine)
+    assert True in kinds and False in kinds, f"want swapped and in-memory sub-groups, got {kinds}"
+
+
+def bf16_rounding(tensors):
+    return {n: t.to(torch.bfloat16).float() for n, t in tensors.items()}
+
+
+def fresh_state_problems(engine):
+    problems = []
+    if steps(engine) not in ([], [0.0] * len(steps(engine))):
+        problems.append(f"steps {steps(engine)}")
+    for name, state in moments(engine).items():
+        for key, value in state.items():
+            if value is not None and not torch.equal(value, torch.zeros_like(value)):
+                problems.append(f"{name}.{key} not fresh")
+    return problems
+
+
+def resume_problems(engine, row, saved_masters, saved_moments):
+    """What differs from the table's promise after a load (empty: nothing)."""
+    _, _, _, want_masters, want_state = row
+    expected = saved_masters if want_masters == "saved" else bf16_rounding(saved_masters)
+    loaded = masters(engine)
+    problems = [f"master {n}" for n in expected if not torch.equal(loaded[n], expected[n])]
+    if want_state == "saved":
+        try:
+            assert_same(moments(engine), saved_moments)
+        except AssertionError as e:
+            problems.append(f"moments {e}")
+        if set(steps(engine)) != {float(SAVED_STEPS)}:
+            problems.append(f"steps {steps(engine)}")
+    else:
+        problems += fresh_state_problems(engine)
+    return problems
+
+
+def check_rows(rows, tmpdir, tag, universal):
+    """Load the checkpoint saved under tmpdir/ckpt with each row's arguments into a fresh engine (own
+    nvme_path), and compare with the masters and moments saved beside it."""
+    save_dir = os.path.join(tmpdir, "ckpt")
+    saved_masters, saved_moments = torch.load(os.path.join(save_dir, "saved.pt"))
+    failures = {}
+    for i, row in enumerate(rows):
+        load_optimizer_states, load_fp32_weights, load_module_only = row[:3]
+        engine = make_nvme_engine(nvme_config(os.path.join(tmpdir, f"nvme_load{i}"), universal), seed=1)
+        assert_both_kinds(engine)
+        try:
+            kwargs = {} if load_fp32_weights is None else dict(load_fp32_weights=load_fp32_weights)
+            engine.load_checkpoint(save_dir,
+                                   tag=tag,
+                                   load_optimizer_states=load_optimizer_states,
+                                   load_module_only=load_module_only,
+                                   **kwargs)
+            problems = resume_problems(engine, row, saved_masters, saved_moments)
+        except Exception as e:  # noqa: BLE001 -- reported with the row it belongs to
+            problems = [f"{type(e).__name__}: {e}"]
+        if problems:
+            failures[f"load_optimizer_states={load_optimizer_states} load_fp32_weights={load_fp32_weights} "
+                     f"load_module_only={load_module_only}"] = problems
+    assert not failures, failures
+
+
+def save_checkpoint(tmpdir):
+    """Train with NVMe offload and save to tmpdir/ckpt, with the masters and moments read before saving."""
+    engine = make_nvme_engine(nvme_config(os.path.join(tmpdir, "nvme_save")))
+    assert_both_kinds(engine)
+    train(engine)
+    saved = masters(engine), moments(engine)
+    save_dir = os.path.join(tmpdir, "ckpt")
+    engine.save_checkpoint(save_dir, tag=TAG)
+    if torch.distributed.get_rank() == 0:
+        torch.save(saved, os.path.join(save_dir, "saved.pt"))
+    torch.distributed.barrier()
+    return engine
+
+
+class TestZero3NVMeResume(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.exec_timeout(300)
+    @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid", layout="none")
+    def test_module_only(self, tmpdir):
+        """load_module_only=True rebuilds the fp32 masters of swapped and in-memory sub-groups from the loaded
+        16-bit weights (the swapped ones through the swapper), with fresh moments and steps."""
+        save_checkpoint(str(tmpdir))
+        check_rows(MODULE_ONLY_ROWS, str(tmpdir), TAG, universal=False)
+
+    @pytest.mark.exec_timeout(300)
+    @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid", layout="none")
+    def test_resume_table(self, tmpdir):
+        save_checkpoint(str(tmpdir))
+        check_rows(RESUME_TABLE, str(tmpdir), TAG, universal=False)
