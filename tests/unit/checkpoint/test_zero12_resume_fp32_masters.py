@@ -14,10 +14,9 @@ import torch
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
-from unit.checkpoint.test_zero_resume_fp32_masters import (RESUME_TABLE, SAVED_STEPS, WAYS_OUT, assert_fresh,
-                                                           expect_rejected)
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, make_config, masters, moments, save_in_world, steps,
-                                                 to_universal)
+from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
+                                                 expect_rejected, make_config, masters, moments, rounding,
+                                                 save_in_world, steps, to_universal)
 from unit.common import DistributedTest
 from unit.simple_model import TinyMLP, fixed_batch
 
@@ -60,8 +59,8 @@ def train_and_save(config, save_dir, hidden=16):
     return saved
 
 
-def rounding(tensors, precision):
-    return {n: t.to(LOW_DTYPE[precision]).float() for n, t in tensors.items()}
+def rounded_to(tensors, precision):
+    return rounding(tensors, LOW_DTYPE[precision])
 
 
 def assert_masters(engine, expected, case=""):
@@ -105,7 +104,7 @@ class TestZero12ResumeTable(DistributedTest):
                                    load_optimizer_states=load_optimizer_states,
                                    load_fp32_weights=load_fp32_weights,
                                    load_module_only=load_module_only)
-            assert_masters(engine, saved_masters if want_masters == "saved" else rounding(saved_masters, precision),
+            assert_masters(engine, saved_masters if want_masters == "saved" else rounded_to(saved_masters, precision),
                            case)
             if want_state == "saved":
                 assert_same(moments(engine), saved_moments, case)
@@ -133,7 +132,7 @@ class TestZero12ResumeWithoutShards(DistributedTest):
         expect_rejected(engine, save_dir, match, load_optimizer_states=False)
         expect_rejected(engine, save_dir, match, load_optimizer_states=True)
         engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
-        assert_masters(engine, rounding(saved_masters, precision))
+        assert_masters(engine, rounded_to(saved_masters, precision))
         assert_fresh(engine)
 
 
@@ -159,7 +158,7 @@ class TestZero12ResumeDPChange(DistributedTest):
         expect_rejected(engine, dp4_checkpoint, match, load_optimizer_states=True)
         engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
         saved_masters = torch.load(os.path.join(dp4_checkpoint, "saved_masters.pt"))
-        assert_masters(engine, rounding(saved_masters, "bf16"))
+        assert_masters(engine, rounding(saved_masters))
         assert_fresh(engine)
 
 
@@ -184,7 +183,7 @@ class TestZero12ResumeAlignmentChange(DistributedTest):
         expect_rejected(engine, save_dir, match, load_optimizer_states=False)
         expect_rejected(engine, save_dir, match, load_optimizer_states=True)
         engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
-        assert_masters(engine, rounding(saved_masters, "bf16"))
+        assert_masters(engine, rounding(saved_masters))
 
 
 @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="none", checkpoint="universal", layout="none")
@@ -201,5 +200,5 @@ class TestZero3UniversalModuleOnly(DistributedTest):
         remove_shards(save_dir)
         engine = build(config_for(3, "bf16", universal=True), seed=1)
         engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=False, load_module_only=True)
-        assert_masters(engine, rounding(saved_masters, "bf16"))
+        assert_masters(engine, rounding(saved_masters))
         assert_fresh(engine)

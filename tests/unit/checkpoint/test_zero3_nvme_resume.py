@@ -12,27 +12,16 @@ import torch
 import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.zero.partition_parameters import Init
-from unit.checkpoint.zero_resume_helpers import TAG, assert_same, make_config, masters, moments, steps
+from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_same, make_config, masters,
+                                                 moments, rounding, steps)
 from unit.common import DistributedTest
 
-SAVED_STEPS = 3
 # The big layer's weight is a sub-group of its own whose per-rank fp32 partition (768 * 768 / 2 elements,
 # 1.2 MB) reaches the aio minimum (1 MiB) and is swapped; the rest (bias and the small layer) form a second
 # sub-group that stays in memory.
 BIG, SMALL = 768, 16
 SUB_GROUP_SIZE = 100_000
 
-# (load_optimizer_states, load_fp32_weights, load_module_only) -> (masters, moments/step)
-RESUME_TABLE = [
-    (True, None, False, "saved", "saved"),
-    (True, True, False, "saved", "saved"),
-    (True, False, False, "rounded", "saved"),
-    (False, None, False, "saved", "fresh"),
-    (False, True, False, "saved", "fresh"),
-    (False, False, False, "rounded", "fresh"),
-    (False, True, True, "rounded", "fresh"),
-    (True, True, True, "rounded", "fresh"),
-]
 # load_fp32_weights left out (None): it is ignored with load_module_only, and 0.19.8 does not take it.
 MODULE_ONLY_ROWS = [(False, None, True, "rounded", "fresh"), (True, None, True, "rounded", "fresh")]
 
@@ -103,10 +92,6 @@ def assert_both_kinds(engine):
     assert True in kinds and False in kinds, f"want swapped and in-memory sub-groups, got {kinds}"
 
 
-def bf16_rounding(tensors):
-    return {n: t.to(torch.bfloat16).float() for n, t in tensors.items()}
-
-
 def fresh_state_problems(engine):
     problems = []
     if steps(engine) not in ([], [0.0] * len(steps(engine))):
@@ -121,7 +106,7 @@ def fresh_state_problems(engine):
 def resume_problems(engine, row, saved_masters, saved_moments):
     """What differs from the table's promise after a load (empty: nothing)."""
     _, _, _, want_masters, want_state = row
-    expected = saved_masters if want_masters == "saved" else bf16_rounding(saved_masters)
+    expected = saved_masters if want_masters == "saved" else rounding(saved_masters)
     loaded = masters(engine)
     problems = [f"master {n}" for n in expected if not torch.equal(loaded[n], expected[n])]
     if want_state == "saved":

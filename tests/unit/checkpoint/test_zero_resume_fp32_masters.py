@@ -10,35 +10,10 @@ import os
 import pytest
 import torch
 
-from deepspeed.runtime.zero.utils import ZeRORuntimeException
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, make_config, make_engine, masters, moments,
-                                                 save_in_world, snapshot, steps, to_universal, train_and_save)
+from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
+                                                 expect_rejected, make_config, make_engine, masters, moments, rounding,
+                                                 save_in_world, steps, to_universal, train_and_save)
 from unit.common import DistributedTest
-
-SAVED_STEPS = 3
-
-# (load_optimizer_states, load_fp32_weights, load_module_only) -> (masters, moments/step)
-RESUME_TABLE = [
-    (True, None, False, "saved", "saved"),
-    (True, True, False, "saved", "saved"),
-    (True, False, False, "rounded", "saved"),
-    (False, None, False, "saved", "fresh"),
-    (False, True, False, "saved", "fresh"),
-    (False, False, False, "rounded", "fresh"),
-    (False, True, True, "rounded", "fresh"),
-    (True, True, True, "rounded", "fresh"),
-]
-
-
-def bf16_rounding(tensors):
-    return {n: t.to(torch.bfloat16).float() for n, t in tensors.items()}
-
-
-def assert_fresh(engine):
-    assert steps(engine) in ([], [0.0] * len(steps(engine))), steps(engine)
-    for name, state in moments(engine).items():
-        for key, value in state.items():
-            assert value is None or torch.equal(value, torch.zeros_like(value)), f"{name}.{key}"
 
 
 def check_resume_table(config, save_dir, tag, saved_masters, saved_moments):
@@ -51,7 +26,7 @@ def check_resume_table(config, save_dir, tag, saved_masters, saved_moments):
                                load_optimizer_states=load_optimizer_states,
                                load_fp32_weights=load_fp32_weights,
                                load_module_only=load_module_only)
-        expected = saved_masters if want_masters == "saved" else bf16_rounding(saved_masters)
+        expected = saved_masters if want_masters == "saved" else rounding(saved_masters)
         loaded = masters(engine)
         for name in expected:
             assert torch.equal(loaded[name], expected[name]), f"{case}: master {name}"
@@ -62,13 +37,15 @@ def check_resume_table(config, save_dir, tag, saved_masters, saved_moments):
             assert_fresh(engine)
 
 
+@pytest.mark.cell(feature="resume", stage=3, precision="bf16")
 class TestZero3ResumeTable(DistributedTest):
     world_size = 2
 
     @pytest.mark.exec_timeout(240)
-    @pytest.mark.parametrize("universal", [False, True])
-    def test_resume_table(self, tmpdir, universal):
+    @pytest.mark.parametrize("checkpoint", ["rigid", "universal"])
+    def test_resume_table(self, tmpdir, checkpoint):
         save_dir = str(tmpdir)
+        universal = checkpoint == "universal"
         saved_masters, saved_moments = train_and_save(make_config(3, "bf16"), save_dir, steps=SAVED_STEPS)
         tag = to_universal(save_dir) if universal else TAG
         check_resume_table(make_config(3, "bf16", universal=universal), save_dir, tag, saved_masters, saved_moments)
@@ -80,20 +57,12 @@ def dp4_checkpoint(tmp_path):
     return str(tmp_path)
 
 
-def expect_rejected(engine, save_dir, match, **load_kwargs):
-    before = snapshot(engine)
-    with pytest.raises(ZeRORuntimeException, match=match):
-        engine.load_checkpoint(save_dir, tag=TAG, **load_kwargs)
-    assert_same(snapshot(engine), before)
-
-
-WAYS_OUT = r"universal.*load_fp32_weights=False.*load_from_fp32_weights=false"
-
-
+@pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid")
 class TestZero3ResumeRejected(DistributedTest):
     world_size = 2
     pg_timeout_s = 60
 
+    @pytest.mark.cell(layout="dp4->dp2")
     @pytest.mark.exec_timeout(200)
     def test_dp_size_change(self, dp4_checkpoint):
         """Saved by 4 ranks, loaded by 2: masters and optimizer states cannot be restored rigidly; the
@@ -105,7 +74,7 @@ class TestZero3ResumeRejected(DistributedTest):
         engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
         saved_masters = torch.load(os.path.join(dp4_checkpoint, "saved_masters.pt"))
         loaded = masters(engine)
-        for name, tensor in bf16_rounding(saved_masters).items():
+        for name, tensor in rounding(saved_masters).items():
             assert torch.equal(loaded[name], tensor), name
 
     @pytest.mark.exec_timeout(150)

@@ -5,16 +5,35 @@ back the fp32 masters and optimizer moments of every parameter (gathered, so equ
 
 import os
 
+import pytest
 import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint.convert import convert_to_universal
 from unit.common import run_ranks
 from unit.simple_model import TinyMLP, fixed_batch, zero3_config
 
 TAG = "ckpt"
+SAVED_STEPS = 3
+
+# The load_fp32_weights table every ZeRO stage, precision and offload follows:
+# (load_optimizer_states, load_fp32_weights, load_module_only) -> (masters, moments/step)
+RESUME_TABLE = [
+    (True, None, False, "saved", "saved"),
+    (True, True, False, "saved", "saved"),
+    (True, False, False, "rounded", "saved"),
+    (False, None, False, "saved", "fresh"),
+    (False, True, False, "saved", "fresh"),
+    (False, False, False, "rounded", "fresh"),
+    (False, True, True, "rounded", "fresh"),
+    (True, True, True, "rounded", "fresh"),
+]
+
+# What every "cannot restore the masters" error must name.
+WAYS_OUT = r"universal.*load_fp32_weights=False.*load_from_fp32_weights=false"
 
 
 def make_config(stage=3, precision="bf16", universal=False, **zero_overrides):
@@ -137,3 +156,23 @@ def save_in_world(save_dir, world_size, stage=3, precision="bf16", timeout=420):
                 backend=None,
                 pg_timeout_s=60)
     run_ranks(spec, timeout)
+
+
+def rounding(tensors, dtype=torch.bfloat16):
+    """The masters a rebuild from the 16-bit weights gives: the saved ones rounded to `dtype` and back."""
+    return {n: t.to(dtype).float() for n, t in tensors.items()}
+
+
+def assert_fresh(engine):
+    assert steps(engine) in ([], [0.0] * len(steps(engine))), steps(engine)
+    for name, state in moments(engine).items():
+        for key, value in state.items():
+            assert value is None or torch.equal(value, torch.zeros_like(value)), f"{name}.{key}"
+
+
+def expect_rejected(engine, save_dir, match, **load_kwargs):
+    """The load raises ZeRORuntimeException matching `match` and leaves the engine bit-identical."""
+    before = snapshot(engine)
+    with pytest.raises(ZeRORuntimeException, match=match):
+        engine.load_checkpoint(save_dir, tag=TAG, **load_kwargs)
+    assert_same(snapshot(engine), before)
