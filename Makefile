@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps venv fork sync install export check pristine bench cells clean
+.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -24,7 +24,7 @@ test-pristine: setup pristine
 demo: setup pristine
 	$(VPY) examples/walkthrough.py
 
-setup: system-deps venv fork install
+setup: system-deps venv fork install ops
 
 # libaio headers for the async_io op (NVMe offload tests); apt-get when root, else a warning.
 system-deps:
@@ -53,6 +53,10 @@ install: fork
 		DS_BUILD_OPS=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps -e fork >$(VENV)/install.log 2>&1 \
 			|| { cat $(VENV)/install.log; exit 1; }; \
 	fi
+
+# JIT-build the DeepSpeed ops once, before any test's timeout runs (seconds when built; tools/build_ops.py).
+ops: install
+	$(VPY) tools/build_ops.py
 
 export:
 	$(VPY) $(PATCHES) export
