@@ -14,12 +14,19 @@ def convert_to_universal(save_dir, tag, universal_tag=None, inject_missing_state
     if dist.get_rank() == 0:
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
         ds_to_universal(
-            argparse.Namespace(input_folder=os.path.join(save_dir, tag),
-                               output_folder=os.path.join(save_dir, universal_tag),
-                               num_extract_workers=1,
-                               num_merge_workers=1,
-                               keep_temp_folder=False,
-                               strict=True,
-                               inject_missing_state=inject_missing_state))
+            converter_args(os.path.join(save_dir, tag),
+                           os.path.join(save_dir, universal_tag),
+                           inject_missing_state=inject_missing_state))
     dist.barrier()
     return universal_tag
+
+
+def converter_args(input_folder, output_folder, inject_missing_state=False):
+    """ds_to_universal's command-line arguments, as its main() takes them."""
+    return argparse.Namespace(input_folder=input_folder,
+                              output_folder=output_folder,
+                              num_extract_workers=1,
+                              num_merge_workers=1,
+                              keep_temp_folder=False,
+                              strict=True,
+                              inject_missing_state=inject_missing_state)

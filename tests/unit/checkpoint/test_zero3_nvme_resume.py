@@ -12,8 +12,9 @@ import torch
 import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.zero.partition_parameters import Init
+from unit.checkpoint.convert import convert_to_universal, converter_args
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_same, make_config, masters,
-                                                 moments, rounding, steps)
+                                                 moments, rounding, snapshot, steps)
 from unit.common import DistributedTest
 
 # The big layer's weight is a sub-group of its own whose per-rank fp32 partition (768 * 768 / 2 elements,
@@ -177,3 +178,33 @@ class TestZero3NVMeResume(DistributedTest):
     def test_resume_table(self, tmpdir):
         save_checkpoint(str(tmpdir))
         check_rows(RESUME_TABLE, str(tmpdir), TAG, universal=False)
+
+    @pytest.mark.exec_timeout(300)
+    @pytest.mark.cell(feature="resume",
+                      stage=3,
+                      precision="bf16",
+                      offload="nvme",
+                      checkpoint="universal",
+                      layout="none")
+    def test_universal_refused_before_anything_changes(self, tmpdir):
+        """Universal checkpoints do not support NVMe optimizer offload yet: converting an NVMe checkpoint and
+        loading a universal one into an NVMe run both fail with an error that says so, the load with the engine
+        left bit-identical."""
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        save_checkpoint(str(tmpdir))
+        nvme_checkpoint = os.path.join(str(tmpdir), "ckpt", TAG)
+        with pytest.raises(ValueError, match="offload_optimizer.device='nvme'.*offloaded_tensors"):
+            ds_to_universal(converter_args(nvme_checkpoint, nvme_checkpoint + "_u"))
+        assert not os.path.exists(nvme_checkpoint + "_u")
+
+        plain = make_nvme_engine(make_config(3, "bf16", sub_group_size=SUB_GROUP_SIZE))
+        train(plain)
+        plain_dir = os.path.join(str(tmpdir), "plain")
+        plain.save_checkpoint(plain_dir, tag=TAG)
+        universal_tag = convert_to_universal(plain_dir, TAG)
+        engine = make_nvme_engine(nvme_config(os.path.join(str(tmpdir), "nvme_load"), universal=True), seed=1)
+        before = snapshot(engine)
+        with pytest.raises(ZeRORuntimeException, match="universal checkpoints do not support NVMe.*'cpu' or 'none'"):
+            engine.load_checkpoint(plain_dir, tag=universal_tag)
+        assert_same(snapshot(engine), before)
