@@ -22,6 +22,7 @@ test-pristine: setup pristine
 # The main job: examples/train.py under the deepspeed launcher on 2 CPU ranks, walking through each fix
 # with checks (examples/walkthrough.py; pristine 0.19.8 runs beside the fork for contrast).
 demo: setup pristine
+	PYTHONPATH=$(CURDIR)/pristine $(VPY) tools/build_ops.py --only ShareMemCommBuilder
 	$(VPY) examples/walkthrough.py
 
 setup: system-deps venv fork install ops

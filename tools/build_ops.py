@@ -9,6 +9,7 @@ cores, and a build killed by the timeout leaves a `lock` file that makes every l
 So `make setup` builds them first; when they are built this takes a few seconds.
 """
 
+import argparse
 import os
 import sys
 import time
@@ -32,11 +33,14 @@ def remove_stale_locks(cache):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=OPS, default=OPS, help="build only these builders' ops")
+    args = parser.parse_args()
     set_default_environment()
     cache = os.environ["TORCH_EXTENSIONS_DIR"]
     remove_stale_locks(cache)
     from deepspeed.accelerator import get_accelerator
-    for name in OPS:
+    for name in args.only:
         builder = get_accelerator().create_op_builder(name)
         if builder is None:
             print(f"build_ops: {name}: not provided by the {get_accelerator().device_name()} accelerator")

@@ -184,7 +184,7 @@ class TestZero3NVMeResume(DistributedTest):
                       stage=3,
                       precision="bf16",
                       offload="nvme",
-                      checkpoint="universal",
+                      checkpoint="universal (refused)",
                       layout="none")
     def test_universal_refused_before_anything_changes(self, tmpdir):
         """Universal checkpoints do not support NVMe optimizer offload yet: converting an NVMe checkpoint and
