@@ -5,6 +5,7 @@
 
     tools/cells.py                         # every cell the tests declare, with its status
     tools/cells.py --feature resume        # one feature's rows, for a patch message
+    tools/cells.py --feature resume --where stage=1,2 --where offload=none   # narrower still
     tools/cells.py --update README.md      # rewrite the block between the cells markers in a file
     tools/cells.py --results test-results/cells-pristine.json   # the same tests run on pristine 0.19.8
 
@@ -53,10 +54,23 @@ def status(outcomes):
     return "validated" if "passed" in outcomes else "not run"
 
 
-def matrix(record, feature=None):
+def parse_where(clauses):
+    """["stage=1,2", "offload=none"] -> {"stage": {"1", "2"}, "offload": {"none"}}"""
+    where = {}
+    for clause in clauses or []:
+        axis, _, values = clause.partition("=")
+        if axis not in AXES or not values:
+            raise SystemExit(f"--where {clause}: want AXIS=VALUE[,VALUE] with AXIS one of {', '.join(AXES)}")
+        where[axis] = set(values.split(","))
+    return where
+
+
+def matrix(record, feature=None, where=None):
     rows = [f"| {' | '.join(HEADERS[a] for a in AXES)} | status | tests |", "|---" * (len(AXES) + 2) + "|"]
     for key, runs in sorted(cells(record["tests"]).items(), key=lambda item: sort_key(item[0])):
         if feature and key[0] != feature:
+            continue
+        if any(dict(zip(AXES, key))[axis] not in values for axis, values in (where or {}).items()):
             continue
         outcomes = [outcome for _, outcome in runs]
         names = sorted({name for name, _ in runs})
@@ -84,13 +98,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=str(RESULTS_DIR / "cells.json"))
     parser.add_argument("--feature", help="only this feature's cells")
+    parser.add_argument("--where", action="append", metavar="AXIS=V[,V]", help="only cells with these values")
     parser.add_argument("--update", metavar="FILE", help="replace the cells block in FILE instead of printing")
     args = parser.parse_args()
     try:
         record = json.loads(Path(args.results).read_text())
     except FileNotFoundError:
         sys.exit(f"{args.results}: no test results yet; run `make test` first")
-    text = matrix(record, args.feature)
+    text = matrix(record, args.feature, parse_where(args.where))
     if args.update:
         update(args.update, text)
     else:

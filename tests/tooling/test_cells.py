@@ -89,3 +89,10 @@ def test_matrix_statuses(pytester, tmp_path):
     assert ("resume", "1", "fp16", "none", "-", "none", "validated") in rows
     assert ("resume", "3", "bf16", "none", "-", "none", "not run") in rows  # test_deselected
     assert table[0].startswith("| feature | ZeRO stage | precision | offload | checkpoint | layout change")
+
+
+def test_matrix_where_filters(pytester, tmp_path):
+    tool = load_tool()
+    table = tool.matrix(run_sample(pytester, tmp_path), "resume", tool.parse_where(["stage=1,2"]))
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| resume")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
