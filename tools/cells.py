@@ -29,7 +29,8 @@ HEADERS = dict(feature="feature",
                precision="precision",
                offload="offload",
                checkpoint="checkpoint",
-               layout="layout change")
+               layout="layout change",
+               settings="settings")
 BEGIN, END = "<!-- cells:begin (tools/cells.py --update) -->", "<!-- cells:end -->"
 
 

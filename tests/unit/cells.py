@@ -15,8 +15,9 @@ import os
 import time
 from pathlib import Path
 
-AXES = ("feature", "stage", "precision", "offload", "checkpoint", "layout")
-DEFAULTS = dict(offload="none", checkpoint="-", layout="none")
+AXES = ("feature", "stage", "precision", "offload", "checkpoint", "layout", "settings")
+# settings: the non-default DeepSpeed settings a test runs at (unit/simple_model.py SETTINGS); "defaults" is none.
+DEFAULTS = dict(offload="none", checkpoint="-", layout="none", settings="defaults")
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "test-results"
 
 

@@ -27,10 +27,22 @@ def fixed_batch(hidden=16, batch=4, dtype=torch.float32, device="cpu", seed=1234
     return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
 
 
-def zero3_config(precision="fp32", lr=1e-2, **zero_overrides):
-    """A ZeRO-3 config. precision: fp32 | autocast (fp32 weights, bf16 autocast) | bf16 (fp32 masters)
-    | bf16_master (bf16 weights with bf16 master weights and optimizer states)."""
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+# The `settings` cell axis: DeepSpeed's defaults first, then non-default values that widen coverage. At the
+# default stage3_param_persistence_threshold (1e5 elements) every parameter of the tiny test models is persistent
+# (kept gathered, re-gathered after each step and load); at 0 none is.
+SETTINGS = {
+    "defaults": {},
+    "persistence_threshold=0": {
+        "stage3_param_persistence_threshold": 0
+    },
+}
+
+
+def zero3_config(precision="fp32", lr=1e-2, settings="defaults", **zero_overrides):
+    """A ZeRO-3 config at DeepSpeed's defaults, or at the SETTINGS entry named. precision: fp32 | autocast (fp32
+    weights, bf16 autocast) | bf16 (fp32 masters) | bf16_master (bf16 weights with bf16 master weights and
+    optimizer states)."""
+    zero = {"stage": 3, **SETTINGS[settings]}
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,

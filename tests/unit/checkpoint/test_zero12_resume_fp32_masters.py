@@ -5,7 +5,6 @@ with fp32 gradient accumulation, ZeRO-1) and ZeRO-3 fp16: which fp32 masters, mo
 with, and the resumes that cannot restore the masters failing early, alike on every rank, leaving the engine as
 it was. The ZeRO-3 bf16 version is test_zero_resume_fp32_masters.py."""
 
-import glob
 import os
 
 import pytest
@@ -15,8 +14,10 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
-                                                 expect_rejected, make_config, masters, moments, rounding,
-                                                 save_in_world, steps, to_universal)
+                                                 check_refused_then_rebuilt, check_unfreeze_then_resume,
+                                                 expect_rejected, freeze, make_config, masters, move_aside_on_rank,
+                                                 moments, remove_shards, rounding, save_in_world, shard_path, steps,
+                                                 to_universal, truncate_on_rank)
 from unit.common import DistributedTest
 from unit.simple_model import TinyMLP, fixed_batch
 
@@ -36,14 +37,15 @@ def config_for(stage, precision, universal=False, **zero_overrides):
     return config
 
 
-def build(config, seed=0, hidden=16):
+def build(config, seed=0, hidden=16, frozen=()):
     if config.get("fp16", {}).get("enabled"):
         # The CPU accelerator reports fp16 unsupported when oneDNN lacks fp16 kernels; the tiny model's
         # fp16 Linear/tanh/MSE and gloo's fp16 all-reduce still run (slowly) on CPU.
         get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(seed)
-    model = TinyMLP(hidden=hidden)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    model = freeze(TinyMLP(hidden=hidden), frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     return engine
 
 
@@ -67,15 +69,6 @@ def assert_masters(engine, expected, case=""):
     loaded = masters(engine)
     for name in expected:
         assert torch.equal(loaded[name], expected[name]), f"{case}: master {name}"
-
-
-def remove_shards(save_dir):
-    """Delete every rank's *_optim_states.pt of TAG (rank 1 deletes, all ranks wait)."""
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 1:
-        for shard in glob.glob(os.path.join(save_dir, TAG, "*_optim_states.pt")):
-            os.remove(shard)
-    torch.distributed.barrier()
 
 
 @pytest.mark.cell(feature="resume", offload="none", layout="none")
@@ -118,22 +111,111 @@ class TestZero12ResumeWithoutShards(DistributedTest):
     world_size = 2
     pg_timeout_s = 60
 
-    @pytest.mark.exec_timeout(150)
+    @pytest.mark.exec_timeout(200)
     @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
     def test_missing_shards(self, tmpdir, stage, precision):
-        """All *_optim_states.pt removed: restoring the masters (with or without optimizer states) is rejected
-        alike on every rank with the engine unchanged; load_fp32_weights=False never opens a shard and rebuilds
-        the masters from the 16-bit module."""
+        """Rank 0's shard missing, then rank 1's: restoring the masters (with or without optimizer states) is
+        rejected alike on every rank with the engine unchanged, and a fresh-optimizer resume rebuilds them from the
+        16-bit module on every rank (the rank that has its shard too). With every shard gone, load_fp32_weights=False
+        never opens a shard."""
         save_dir = str(tmpdir)
         saved_masters, _ = train_and_save(config_for(stage, precision), save_dir)
-        remove_shards(save_dir)
         engine = build(config_for(stage, precision), seed=1)
         match = "optim_states.pt shard.*" + WAYS_OUT
-        expect_rejected(engine, save_dir, match, load_optimizer_states=False)
-        expect_rejected(engine, save_dir, match, load_optimizer_states=True)
+        for missing_rank in (0, 1):
+            put_back = move_aside_on_rank(shard_path(save_dir, missing_rank), missing_rank)
+            check_refused_then_rebuilt(engine, lambda: build(config_for(stage, precision), seed=1), save_dir, match,
+                                       rounded_to(saved_masters, precision), missing_rank)
+            put_back()
+        remove_shards(save_dir)
         engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
         assert_masters(engine, rounded_to(saved_masters, precision))
         assert_fresh(engine)
+
+    @pytest.mark.exec_timeout(150)
+    @pytest.mark.cell(stage=1, precision="bf16")
+    def test_truncated_shard_on_one_rank(self, tmpdir):
+        """Rank 1's shard cut in half: the parameter-alignment check that reads it fails there, and every rank
+        refuses before anything changes instead of waiting for rank 1."""
+        save_dir = str(tmpdir)
+        train_and_save(config_for(1, "bf16"), save_dir)
+        truncate_on_rank(shard_path(save_dir, 1), 1)
+        engine = build(config_for(1, "bf16"), seed=1)
+        for load_optimizer_states in (False, True):
+            expect_rejected(engine,
+                            save_dir,
+                            "cannot be read.*truncated or corrupt",
+                            refusing_rank=1,
+                            load_optimizer_states=load_optimizer_states)
+
+
+@pytest.mark.cell(feature="resume", offload="none", checkpoint="rigid", layout="trainable set")
+class TestZero12TrainableSetChange(DistributedTest):
+    world_size = 2
+    pg_timeout_s = 60
+
+    @pytest.mark.exec_timeout(200)
+    @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
+    def test_unfreeze_then_resume(self, tmpdir, stage, precision):
+        check_unfreeze_then_resume(str(tmpdir), config_for(stage, precision), build)
+
+
+# What a load restores besides weights and masters: the loss scaler (fp16) and clip_grad (saved by ZeRO-1/2 and
+# BF16_Optimizer) are optimizer state, so only a full resume (load_optimizer_states=True) takes them from the
+# checkpoint.
+SAVED_SCALE_POWER, RUN_SCALE_POWER = 8, 10
+SAVED_CLIP, RUN_CLIP = 1.0, 0.5
+LOAD_MODES = {
+    "full": dict(),
+    "fresh optimizer": dict(load_optimizer_states=False),
+    "module only": dict(load_module_only=True),
+}
+
+
+def optimizer_side_state(engine):
+    optimizer = engine.optimizer
+    scaler = getattr(optimizer, "loss_scaler", None)
+    return dict(loss_scale=getattr(scaler, "cur_scale", None), clip_grad=getattr(optimizer, "clip_grad", None))
+
+
+@pytest.mark.cell(feature="resume", offload="none", checkpoint="rigid", layout="none")
+class TestOptimizerSideState(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.exec_timeout(300)
+    @pytest.mark.parametrize("stage, precision", [(2, "fp16"), (3, "fp16"), (1, "bf16"), (1, BF16_FP32_ACCUM)])
+    def test_only_a_full_resume_restores_it(self, tmpdir, stage, precision):
+        """Saved with loss scale 2**8 and gradient_clipping 1.0, loaded into a run configured with 2**10 and 0.5:
+        a full resume takes the saved values, a fresh-optimizer or module-only load keeps the run's."""
+        save_dir = str(tmpdir)
+
+        def config(scale_power, clip):
+            conf = config_for(stage, precision)
+            conf["gradient_clipping"] = clip
+            if precision == "fp16":
+                conf["fp16"]["initial_scale_power"] = scale_power
+            return conf
+
+        saved = build(config(SAVED_SCALE_POWER, SAVED_CLIP))
+        x, y = fixed_batch(dtype=next(saved.module.parameters()).dtype, device=saved.device)
+        saved.backward(saved(x, y))
+        saved.step()
+        saved_state = optimizer_side_state(saved)
+        saved.save_checkpoint(save_dir, tag=TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+        problems = []
+        for mode, kwargs in LOAD_MODES.items():
+            engine = build(config(RUN_SCALE_POWER, RUN_CLIP), seed=1)
+            run_state = optimizer_side_state(engine)
+            assert run_state != saved_state, "the test needs the run's values to differ from the saved ones"
+            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
+            expected = dict(run_state)
+            if mode == "full":  # ZeRO-3 saves no clip_grad: its gradient_clipping always comes from the config
+                expected.update(loss_scale=saved_state["loss_scale"])
+                if stage < 3:
+                    expected.update(clip_grad=saved_state["clip_grad"])
+            if optimizer_side_state(engine) != expected:
+                problems.append(f"{mode}: {optimizer_side_state(engine)}, expected {expected}")
+        assert not problems, problems
 
 
 @pytest.fixture
@@ -150,16 +232,12 @@ class TestZero12ResumeDPChange(DistributedTest):
     @pytest.mark.exec_timeout(200)
     @pytest.mark.parametrize("stage", [1, 2])
     def test_dp_size_change(self, dp4_checkpoint, stage):
-        """Saved by 4 ranks, loaded by 2: neither masters nor optimizer states can be restored rigidly; the
-        fallback named in the error rebuilds the masters from the bf16 module."""
-        engine = build(config_for(stage, "bf16"), seed=1)
-        match = "DP world size of 4.*" + WAYS_OUT
-        expect_rejected(engine, dp4_checkpoint, match, load_optimizer_states=False)
-        expect_rejected(engine, dp4_checkpoint, match, load_optimizer_states=True)
-        engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
+        """Saved by 4 ranks, loaded by 2: neither masters nor optimizer states can be restored rigidly; a
+        fresh-optimizer resume rebuilds the masters from the bf16 module."""
         saved_masters = torch.load(os.path.join(dp4_checkpoint, "saved_masters.pt"))
-        assert_masters(engine, rounding(saved_masters))
-        assert_fresh(engine)
+        check_refused_then_rebuilt(build(config_for(stage, "bf16"),
+                                         seed=1), lambda: build(config_for(stage, "bf16"), seed=1), dp4_checkpoint,
+                                   "DP world size of 4.*" + WAYS_OUT, rounding(saved_masters))
 
 
 @pytest.mark.cell(feature="resume",
@@ -175,30 +253,10 @@ class TestZero12ResumeAlignmentChange(DistributedTest):
     @pytest.mark.exec_timeout(150)
     def test_parameter_alignment_change(self, tmpdir):
         """Saved with zero_optimization.parameter_alignment=true (odd-sized parameters, so padded), loaded
-        without: rejected before anything changes, naming the ways out; load_fp32_weights=False then loads."""
+        without: restoring the masters is rejected before anything changes, naming the ways out; a
+        fresh-optimizer resume rebuilds them."""
         save_dir = str(tmpdir)
         saved_masters, _ = train_and_save(config_for(1, "bf16", parameter_alignment=True), save_dir, hidden=15)
-        engine = build(config_for(1, "bf16"), seed=1, hidden=15)
-        match = "parameter-alignment layout.*" + WAYS_OUT
-        expect_rejected(engine, save_dir, match, load_optimizer_states=False)
-        expect_rejected(engine, save_dir, match, load_optimizer_states=True)
-        engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
-        assert_masters(engine, rounding(saved_masters))
-
-
-@pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="none", checkpoint="universal", layout="none")
-class TestZero3UniversalModuleOnly(DistributedTest):
-    world_size = 2
-
-    @pytest.mark.exec_timeout(150)
-    def test_module_only_reads_no_rigid_shards(self, tmpdir):
-        """A universal module-only load reads the universal folder only: the rigid shards named in `latest`
-        are deleted after the conversion, and the masters still come out as the bf16 rounding of the saved."""
-        save_dir = str(tmpdir)
-        saved_masters, _ = train_and_save(config_for(3, "bf16"), save_dir)
-        tag = to_universal(save_dir)
-        remove_shards(save_dir)
-        engine = build(config_for(3, "bf16", universal=True), seed=1)
-        engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=False, load_module_only=True)
-        assert_masters(engine, rounding(saved_masters))
-        assert_fresh(engine)
+        check_refused_then_rebuilt(build(config_for(1, "bf16"), seed=1,
+                                         hidden=15), lambda: build(config_for(1, "bf16"), seed=1, hidden=15), save_dir,
+                                   "parameter-alignment layout.*" + WAYS_OUT, rounding(saved_masters))

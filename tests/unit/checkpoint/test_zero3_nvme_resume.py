@@ -4,6 +4,7 @@
 moments and steps as the same run without offload (test_zero_resume_fp32_masters.py), for the sub-groups
 swapped to NVMe and for those kept in memory because they are below the aio minimum size."""
 
+import contextlib
 import os
 
 import pytest
@@ -13,9 +14,11 @@ import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.zero.partition_parameters import Init
 from unit.checkpoint.convert import convert_to_universal, converter_args
-from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_same, make_config, masters,
-                                                 moments, rounding, snapshot, steps)
+from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_same, expect_rejected,
+                                                 make_config, masters, move_aside_on_rank, moments, rounding, snapshot,
+                                                 steps)
 from unit.common import DistributedTest
+from unit.simple_model import SETTINGS
 
 # The big layer's weight is a sub-group of its own whose per-rank fp32 partition (768 * 768 / 2 elements,
 # 1.2 MB) reaches the aio minimum (1 MiB) and is swapped; the rest (bias and the small layer) form a second
@@ -51,7 +54,7 @@ class TwoSizeMLP(torch.nn.Module):
         return self.loss_fn(self.small(torch.tanh(self.big(x))), y)
 
 
-def nvme_config(nvme_path, universal=False):
+def nvme_config(nvme_path, universal=False, **zero_overrides):
     return make_config(3,
                        "bf16",
                        universal=universal,
@@ -59,13 +62,14 @@ def nvme_config(nvme_path, universal=False):
                        offload_optimizer={
                            "device": "nvme",
                            "nvme_path": str(nvme_path)
-                       })
+                       },
+                       **zero_overrides)
 
 
-def make_nvme_engine(config, seed=0):
+def make_nvme_engine(config, seed=0, first_param_id=0):
     # Swap files are named after the parameters' ds_id, counted process-wide: start from 0 as a resumed process
     # does, so that each engine of this process finds the files that the saving engine wrote.
-    Init.param_id = 0
+    Init.param_id = first_param_id
     torch.manual_seed(seed)
     model = TwoSizeMLP()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -122,7 +126,7 @@ def resume_problems(engine, row, saved_masters, saved_moments):
     return problems
 
 
-def check_rows(rows, tmpdir, tag, universal):
+def check_rows(rows, tmpdir, tag, universal, **zero_overrides):
     """Load the checkpoint saved under tmpdir/ckpt with each row's arguments into a fresh engine (own
     nvme_path), and compare with the masters and moments saved beside it."""
     save_dir = os.path.join(tmpdir, "ckpt")
@@ -130,7 +134,8 @@ def check_rows(rows, tmpdir, tag, universal):
     failures = {}
     for i, row in enumerate(rows):
         load_optimizer_states, load_fp32_weights, load_module_only = row[:3]
-        engine = make_nvme_engine(nvme_config(os.path.join(tmpdir, f"nvme_load{i}"), universal), seed=1)
+        engine = make_nvme_engine(nvme_config(os.path.join(tmpdir, f"nvme_load{i}"), universal, **zero_overrides),
+                                  seed=1)
         assert_both_kinds(engine)
         try:
             kwargs = {} if load_fp32_weights is None else dict(load_fp32_weights=load_fp32_weights)
@@ -148,9 +153,9 @@ def check_rows(rows, tmpdir, tag, universal):
     assert not failures, failures
 
 
-def save_checkpoint(tmpdir):
+def save_checkpoint(tmpdir, settings="defaults"):
     """Train with NVMe offload and save to tmpdir/ckpt, with the masters and moments read before saving."""
-    engine = make_nvme_engine(nvme_config(os.path.join(tmpdir, "nvme_save")))
+    engine = make_nvme_engine(nvme_config(os.path.join(tmpdir, "nvme_save"), settings=settings))
     assert_both_kinds(engine)
     train(engine)
     saved = masters(engine), moments(engine)
@@ -175,9 +180,10 @@ class TestZero3NVMeResume(DistributedTest):
 
     @pytest.mark.exec_timeout(300)
     @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid", layout="none")
-    def test_resume_table(self, tmpdir):
-        save_checkpoint(str(tmpdir))
-        check_rows(RESUME_TABLE, str(tmpdir), TAG, universal=False)
+    @pytest.mark.parametrize("settings", list(SETTINGS))
+    def test_resume_table(self, tmpdir, settings):
+        save_checkpoint(str(tmpdir), settings)
+        check_rows(RESUME_TABLE, str(tmpdir), TAG, universal=False, settings=settings)
 
     @pytest.mark.exec_timeout(300)
     @pytest.mark.cell(feature="resume",
@@ -208,3 +214,45 @@ class TestZero3NVMeResume(DistributedTest):
         with pytest.raises(ZeRORuntimeException, match="universal checkpoints do not support NVMe.*'cpu' or 'none'"):
             engine.load_checkpoint(plain_dir, tag=universal_tag)
         assert_same(snapshot(engine), before)
+
+    @pytest.mark.exec_timeout(300)
+    @pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", offload="nvme", checkpoint="rigid")
+    def test_serial_load(self, tmpdir):
+        """zero_optimization.pipeline_loading_checkpoint at the default persistence threshold: the shard load
+        runs one rank at a time, so it must reach no collective (the persistent parameters are gathered once
+        every rank has loaded)."""
+        save_checkpoint(str(tmpdir))
+        rows = [row for row in RESUME_TABLE if row[1] is None] + MODULE_ONLY_ROWS[:1]
+        check_rows(rows, str(tmpdir), TAG, universal=False, pipeline_loading_checkpoint=True)
+
+    @pytest.mark.exec_timeout(300)
+    @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid (refused)")
+    def test_unusable_offload_folder_refused_before_anything_changes(self, tmpdir):
+        """Every mode reads this rank's offloaded_tensors/: swap files named for other parameter ids (another
+        ZeRO-3 model was built first in the process), or rank 1's folder missing, are refused on every rank
+        with the engine and its swap folder unchanged."""
+        save_checkpoint(str(tmpdir))
+        save_dir = os.path.join(str(tmpdir), "ckpt")
+        modes = (dict(), dict(load_optimizer_states=False), dict(load_module_only=True))
+        shifted = make_nvme_engine(nvme_config(os.path.join(str(tmpdir), "nvme_shifted")), seed=1, first_param_id=100)
+        for kwargs in modes:
+            with swap_folder_unchanged(shifted):
+                expect_rejected(shifted, save_dir, "no swap file .*same ZeRO-3 models", **kwargs)
+        engine = make_nvme_engine(nvme_config(os.path.join(str(tmpdir), "nvme_load")), seed=1)
+        put_back = move_aside_on_rank(os.path.join(save_dir, TAG, "offloaded_tensors", "rank01"), 1)
+        for kwargs in modes:
+            with swap_folder_unchanged(engine):
+                expect_rejected(engine, save_dir, "lacks .*offloaded_tensors", refusing_rank=1, **kwargs)
+        put_back()
+
+
+@contextlib.contextmanager
+def swap_folder_unchanged(engine):
+    folder = engine.optimizer.optimizer_swapper.swap_folder
+
+    def listing():
+        return {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in sorted(os.listdir(folder))}
+
+    before = listing()
+    yield
+    assert listing() == before, f"{folder} changed"

@@ -5,21 +5,20 @@ one at a time per node, for rigid and universal checkpoints, and every early exi
 promptly instead of leaving the next local rank waiting for the token until the process-group
 timeout."""
 
-import os
-
 import pytest
 import torch
 
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
-from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, save_in_world, shard_path,
-                                                 to_universal, train_and_save)
+from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, save_in_world, to_universal,
+                                                 train_and_save)
 from unit.common import DistributedTest
+from unit.simple_model import SETTINGS
 
 PG_TIMEOUT_S = 30
 
 
-def serial_config(universal=False):
-    return make_config(3, "bf16", universal=universal, pipeline_loading_checkpoint=True)
+def serial_config(universal=False, settings="defaults"):
+    return make_config(3, "bf16", universal=universal, settings=settings, pipeline_loading_checkpoint=True)
 
 
 def assert_masters_equal(engine, saved):
@@ -28,13 +27,13 @@ def assert_masters_equal(engine, saved):
         assert torch.equal(loaded[name], tensor), name
 
 
-def rigid_and_universal_roundtrip(tmpdir):
+def rigid_and_universal_roundtrip(tmpdir, settings="defaults"):
     """Save from a plain engine, then load it with serial loading on, rigid and universal."""
     save_dir = str(tmpdir)
-    saved_masters, _ = train_and_save(make_config(3, "bf16"), save_dir)
+    saved_masters, _ = train_and_save(make_config(3, "bf16", settings=settings), save_dir)
     universal_tag = to_universal(save_dir)
     for universal, tag in ((False, TAG), (True, universal_tag)):
-        engine = make_engine(serial_config(universal), seed=1)
+        engine = make_engine(serial_config(universal, settings), seed=1)
         engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=True)
         assert_masters_equal(engine, saved_masters)
 
@@ -45,21 +44,30 @@ class TestSerialLoadOneNode(DistributedTest):
     pg_timeout_s = PG_TIMEOUT_S
 
     @pytest.mark.exec_timeout(150)
-    def test_rigid_and_universal(self, tmpdir):
-        rigid_and_universal_roundtrip(tmpdir)
+    @pytest.mark.parametrize("settings", list(SETTINGS))
+    def test_rigid_and_universal(self, tmpdir, settings):
+        rigid_and_universal_roundtrip(tmpdir, settings)
 
     @pytest.mark.exec_timeout(150)
     @pytest.mark.cell(checkpoint="rigid")
-    def test_missing_first_shard_fails_every_rank(self, tmpdir):
+    @pytest.mark.parametrize("failing_rank", [0, 1])
+    def test_failure_inside_the_chain_fails_every_rank(self, tmpdir, failing_rank):
+        """A rank whose shard load fails inside the token chain (here: reading it raises OSError) raises its own
+        error; the other rank, whether it loads before or would load after it, raises that another rank failed,
+        with no wait for a token that never comes."""
         save_dir = str(tmpdir)
         train_and_save(make_config(3, "bf16"), save_dir)
-        if torch.distributed.get_rank() == 0:
-            os.remove(shard_path(save_dir, 0))
-        torch.distributed.barrier()
         engine = make_engine(serial_config(), seed=1)
-        # The shard check that comes with load_fp32_weights rejects it before the serial load starts.
-        with pytest.raises((FileNotFoundError, RuntimeError, ZeRORuntimeException),
-                           match="optim_states|another rank failed"):
+        if torch.distributed.get_rank() == failing_rank:
+
+            def unreadable_shard(*args, **kwargs):
+                raise OSError("simulated read error")
+
+            engine.optimizer._rigid_load_state_dict = unreadable_shard
+            expected = pytest.raises(OSError, match="simulated read error")
+        else:
+            expected = pytest.raises(RuntimeError, match="another rank failed")
+        with expected:
             engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=True)
 
 

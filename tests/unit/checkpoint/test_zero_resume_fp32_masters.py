@@ -4,16 +4,19 @@
 the resumes that cannot restore the masters failing early, alike on every rank, leaving the engine as it
 was."""
 
-import glob
 import os
 
 import pytest
 import torch
 
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
-                                                 expect_rejected, make_config, make_engine, masters, moments, rounding,
-                                                 save_in_world, steps, to_universal, train_and_save)
+                                                 check_refused_then_rebuilt, check_unfreeze_then_resume,
+                                                 expect_rejected, make_config, make_engine, masters,
+                                                 move_aside_on_rank, moments, remove_shards, rounding, save_in_world,
+                                                 shard_path, steps, to_universal, train, train_and_save,
+                                                 truncate_on_rank)
 from unit.common import DistributedTest
+from unit.simple_model import SETTINGS
 
 
 def check_resume_table(config, save_dir, tag, saved_masters, saved_moments):
@@ -42,13 +45,17 @@ class TestZero3ResumeTable(DistributedTest):
     world_size = 2
 
     @pytest.mark.exec_timeout(240)
+    @pytest.mark.parametrize("settings", list(SETTINGS))
     @pytest.mark.parametrize("checkpoint", ["rigid", "universal"])
-    def test_resume_table(self, tmpdir, checkpoint):
+    def test_resume_table(self, tmpdir, checkpoint, settings):
         save_dir = str(tmpdir)
         universal = checkpoint == "universal"
-        saved_masters, saved_moments = train_and_save(make_config(3, "bf16"), save_dir, steps=SAVED_STEPS)
+        saved_masters, saved_moments = train_and_save(make_config(3, "bf16", settings=settings),
+                                                      save_dir,
+                                                      steps=SAVED_STEPS)
         tag = to_universal(save_dir) if universal else TAG
-        check_resume_table(make_config(3, "bf16", universal=universal), save_dir, tag, saved_masters, saved_moments)
+        check_resume_table(make_config(3, "bf16", universal=universal, settings=settings), save_dir, tag,
+                           saved_masters, saved_moments)
 
 
 @pytest.fixture
@@ -65,27 +72,103 @@ class TestZero3ResumeRejected(DistributedTest):
     @pytest.mark.cell(layout="dp4->dp2")
     @pytest.mark.exec_timeout(200)
     def test_dp_size_change(self, dp4_checkpoint):
-        """Saved by 4 ranks, loaded by 2: masters and optimizer states cannot be restored rigidly; the
-        fallback named in the error rebuilds the masters from the 16-bit weights."""
-        engine = make_engine(make_config(3, "bf16"), seed=1)
-        engine.train()
-        expect_rejected(engine, dp4_checkpoint, "DP world size of 4.*" + WAYS_OUT, load_optimizer_states=False)
-        expect_rejected(engine, dp4_checkpoint, "DP world size of 4.*" + WAYS_OUT, load_optimizer_states=True)
-        engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=False, load_fp32_weights=False)
+        """Saved by 4 ranks, loaded by 2: masters and optimizer states cannot be restored rigidly; a
+        fresh-optimizer resume rebuilds the masters from the 16-bit weights (consolidated from every shard)."""
         saved_masters = torch.load(os.path.join(dp4_checkpoint, "saved_masters.pt"))
-        loaded = masters(engine)
-        for name, tensor in rounding(saved_masters).items():
-            assert torch.equal(loaded[name], tensor), name
+        check_refused_then_rebuilt(make_engine(make_config(3, "bf16"),
+                                               seed=1), lambda: make_engine(make_config(3, "bf16"), seed=1),
+                                   dp4_checkpoint, "DP world size of 4.*" + WAYS_OUT, rounding(saved_masters))
 
-    @pytest.mark.exec_timeout(150)
-    def test_missing_shards(self, tmpdir):
+    @pytest.mark.exec_timeout(200)
+    def test_missing_shard_of_one_rank(self, tmpdir):
+        """Rank 0's shard missing, then rank 1's: the rank that lacks it refuses, and so does the other."""
         save_dir = str(tmpdir)
         train_and_save(make_config(3, "bf16"), save_dir)
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() == 1:
-            for shard in glob.glob(os.path.join(save_dir, TAG, "*_optim_states.pt")):
-                os.remove(shard)
-        torch.distributed.barrier()
         engine = make_engine(make_config(3, "bf16"), seed=1)
-        expect_rejected(engine, save_dir, "optim_states.pt shard.*" + WAYS_OUT, load_optimizer_states=False)
-        expect_rejected(engine, save_dir, "optim_states.pt shard.*" + WAYS_OUT, load_optimizer_states=True)
+        for missing_rank in (0, 1):
+            put_back = move_aside_on_rank(shard_path(save_dir, missing_rank), missing_rank)
+            for load_optimizer_states in (False, True):
+                expect_rejected(engine,
+                                save_dir,
+                                "optim_states.pt shard.*" + WAYS_OUT,
+                                refusing_rank=missing_rank,
+                                load_optimizer_states=load_optimizer_states)
+            put_back()
+
+    @pytest.mark.exec_timeout(200)
+    def test_truncated_shard_on_one_rank(self, tmpdir):
+        """Rank 1's shard cut in half: every rank refuses before anything changes, none waits for rank 1."""
+        save_dir = str(tmpdir)
+        train_and_save(make_config(3, "bf16"), save_dir)
+        truncate_on_rank(shard_path(save_dir, 1), 1)
+        engine = make_engine(make_config(3, "bf16"), seed=1)
+        for load_optimizer_states in (False, True):
+            expect_rejected(engine,
+                            save_dir,
+                            "cannot be read.*truncated or corrupt",
+                            refusing_rank=1,
+                            load_optimizer_states=load_optimizer_states)
+
+    @pytest.mark.cell(layout="trainable set")
+    @pytest.mark.exec_timeout(200)
+    def test_unfreeze_then_resume(self, tmpdir):
+        check_unfreeze_then_resume(str(tmpdir), make_config(3, "bf16"), make_engine)
+
+
+@pytest.fixture
+def dp2_checkpoint(tmp_path):
+    save_in_world(tmp_path, world_size=2)
+    return str(tmp_path)
+
+
+@pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid", layout="dp2->dp4")
+class TestZero3ResumeAtLargerDP(DistributedTest):
+    world_size = 4
+    pg_timeout_s = 60
+
+    @pytest.mark.exec_timeout(300)
+    def test_refused_alike_on_every_rank(self, dp2_checkpoint):
+        """Saved by 2 ranks, loaded by 4: ranks 2 and 3 have no model-states file. Every mode is refused on every
+        rank before anything changes, naming the universal checkpoint as the way out."""
+        engine = make_engine(make_config(3, "bf16"), seed=1)
+        for kwargs in (dict(), dict(load_optimizer_states=False), dict(load_module_only=True)):
+            expect_rejected(engine, dp2_checkpoint, "ds_to_universal", **kwargs)
+
+
+@pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid")
+class TestZero3ResumeOlderTag(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.exec_timeout(200)
+    def test_rebuilding_loads_the_named_tag(self, tmpdir):
+        """Modes that consolidate the module from every shard (module-only, masters rebuilt) read the tag asked for,
+        not the one `latest` names."""
+        save_dir = str(tmpdir)
+        engine = make_engine(make_config(3, "bf16"))
+        train(engine)
+        saved_masters = masters(engine)
+        engine.save_checkpoint(save_dir, tag=TAG)
+        train(engine, steps=2)
+        engine.save_checkpoint(save_dir, tag="later")  # `latest` now names "later"
+        for kwargs in (dict(load_module_only=True), dict(load_optimizer_states=False, load_fp32_weights=False)):
+            resumed = make_engine(make_config(3, "bf16"), seed=1)
+            resumed.load_checkpoint(save_dir, tag=TAG, **kwargs)
+            assert_same(masters(resumed), rounding(saved_masters), str(kwargs))
+
+
+@pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="none", checkpoint="universal", layout="none")
+class TestZero3UniversalModuleOnly(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.exec_timeout(150)
+    def test_module_only_reads_no_rigid_shards(self, tmpdir):
+        """A universal module-only load reads the universal folder only: the rigid shards named in `latest`
+        are deleted after the conversion, and the masters still come out as the bf16 rounding of the saved."""
+        save_dir = str(tmpdir)
+        saved_masters, _ = train_and_save(make_config(3, "bf16"), save_dir)
+        tag = to_universal(save_dir)
+        remove_shards(save_dir)
+        engine = make_engine(make_config(3, "bf16", universal=True), seed=1)
+        engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=False, load_module_only=True)
+        assert_same(masters(engine), rounding(saved_masters))
+        assert_fresh(engine)

@@ -3,6 +3,7 @@
 """Shared steps for the checkpoint-resume tests: train a tiny model, save, convert, reload, and read
 back the fp32 masters and optimizer moments of every parameter (gathered, so equal on every rank)."""
 
+import glob
 import os
 
 import pytest
@@ -35,22 +36,38 @@ RESUME_TABLE = [
 # What every "cannot restore the masters" error must name.
 WAYS_OUT = r"universal.*load_fp32_weights=False.*load_from_fp32_weights=false"
 
+# Where the saved masters cannot be restored (another data-parallel size, trainable set or parameter alignment, a
+# missing ZeRO-1/2 shard), these loads are refused on every rank with the engine unchanged ...
+REFUSED_UNLESS_RESTORABLE = (dict(load_optimizer_states=True), dict(load_optimizer_states=False,
+                                                                    load_fp32_weights=True))
+# ... and these rebuild the masters from the 16-bit weights (the default with a warning, as 0.19.8 did).
+REBUILD_MASTERS = (dict(load_optimizer_states=False), dict(load_optimizer_states=False, load_fp32_weights=False))
 
-def make_config(stage=3, precision="bf16", universal=False, **zero_overrides):
-    config = zero3_config(precision, **zero_overrides)
+
+def make_config(stage=3, precision="bf16", universal=False, settings="defaults", **zero_overrides):
+    config = zero3_config(precision, settings=settings, **zero_overrides)
     config["zero_optimization"]["stage"] = stage
     if stage < 3:
-        config["zero_optimization"].pop("stage3_param_persistence_threshold")
+        config["zero_optimization"].pop("stage3_param_persistence_threshold", None)
     if universal:
         config["checkpoint"] = {"load_universal": True}
     return config
 
 
-def make_engine(config, seed=0):
+def make_engine(config, seed=0, frozen=()):
+    """A TinyMLP engine; parameters whose names start with a prefix in `frozen` do not train."""
     torch.manual_seed(seed)
-    model = TinyMLP()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    model = freeze(TinyMLP(), frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     return engine
+
+
+def freeze(model, prefixes):
+    for name, param in model.named_parameters():
+        if name.startswith(tuple(prefixes)):
+            param.requires_grad_(False)
+    return model
 
 
 def train(engine, steps=3):
@@ -111,9 +128,19 @@ def shard_path(save_dir, dp_rank, tag=TAG, bf16=True):
     return os.path.join(save_dir, tag, f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt")
 
 
+def remove_shards(save_dir, tag=TAG):
+    """Delete every rank's *_optim_states.pt of `tag` (rank 0 deletes, all ranks wait)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for shard in glob.glob(os.path.join(save_dir, tag, "*_optim_states.pt")):
+            os.remove(shard)
+    dist.barrier()
+
+
 def snapshot(engine):
     """Everything a rejected load must leave untouched: module (ZeRO-3: this rank's partition), masters,
-    moments, steps."""
+    moments, steps, loss scale, clip_grad, learning-rate schedule and the engine's counters."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
     return dict(module={
         n: getattr(p, "ds_tensor", p).detach().clone()
         for n, p in engine.module.named_parameters()
@@ -121,7 +148,23 @@ def snapshot(engine):
                 masters=masters(engine),
                 moments=moments(engine),
                 steps=steps(engine),
-                global_steps=engine.global_steps)
+                loss_scale=getattr(scaler, "cur_scale", None),
+                clip_grad=getattr(engine.optimizer, "clip_grad", None),
+                lr=[group["lr"] for group in engine.optimizer.param_groups],
+                lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                counters=(engine.global_steps, engine.global_samples, engine.skipped_steps))
+
+
+def check_refused_then_rebuilt(engine, build, save_dir, match, expected_masters, refusing_rank=None):
+    """The saved masters cannot be restored: every load that needs them is refused (engine unchanged), and every
+    load that may rebuild them does, in a fresh engine from build(), giving expected_masters and a fresh optimizer."""
+    for kwargs in REFUSED_UNLESS_RESTORABLE:
+        expect_rejected(engine, save_dir, match, refusing_rank=refusing_rank, **kwargs)
+    for kwargs in REBUILD_MASTERS:
+        rebuilt = build()
+        rebuilt.load_checkpoint(save_dir, tag=TAG, **kwargs)
+        assert_same(masters(rebuilt), expected_masters, f"masters after {kwargs}")
+        assert_fresh(rebuilt)
 
 
 def assert_same(a, b, path="engine"):
@@ -170,9 +213,64 @@ def assert_fresh(engine):
             assert value is None or torch.equal(value, torch.zeros_like(value)), f"{name}.{key}"
 
 
-def expect_rejected(engine, save_dir, match, **load_kwargs):
-    """The load raises ZeRORuntimeException matching `match` and leaves the engine bit-identical."""
+def expect_rejected(engine, save_dir, match, refusing_rank=None, tag=TAG, **load_kwargs):
+    """The load raises ZeRORuntimeException matching `match` and leaves the engine bit-identical. With
+    refusing_rank, only that rank found the problem: every other rank must say that it refused."""
     before = snapshot(engine)
-    with pytest.raises(ZeRORuntimeException, match=match):
-        engine.load_checkpoint(save_dir, tag=TAG, **load_kwargs)
+    with pytest.raises(ZeRORuntimeException, match=match) as refused:
+        engine.load_checkpoint(save_dir, tag=tag, **load_kwargs)
+    if refusing_rank is not None and dist.get_rank() != refusing_rank:
+        assert f"rank {refusing_rank} refused it" in str(refused.value), str(refused.value)
     assert_same(snapshot(engine), before)
+
+
+def weights(engine):
+    """{name: full 16-bit weight} of every parameter, trainable or frozen (gathered under ZeRO-3)."""
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: param.detach().clone() for name, param in params.items()}
+
+
+def move_aside_on_rank(path, rank):
+    """Move `path` to path + '.aside' if this is `rank` (every rank waits); returns a function that puts it back."""
+    dist.barrier()
+    if dist.get_rank() == rank:
+        os.rename(path, path + ".aside")
+    dist.barrier()
+
+    def restore():
+        dist.barrier()
+        if dist.get_rank() == rank:
+            os.rename(path + ".aside", path)
+        dist.barrier()
+
+    return restore
+
+
+def truncate_on_rank(path, rank):
+    """Cut `path` to half its size on `rank` (a file half-written or half-copied); every rank waits."""
+    dist.barrier()
+    if dist.get_rank() == rank:
+        os.truncate(path, os.path.getsize(path) // 2)
+    dist.barrier()
+
+
+TRAINABLE_SET_CHANGED = "trainable now but were not when it was saved.*" + WAYS_OUT
+
+
+def check_unfreeze_then_resume(save_dir, config, build):
+    """Train with layers.0 frozen and save; resume with everything trainable (the usual reason for a fresh
+    optimizer). Restoring the saved optimizer states or, explicitly, the saved masters is refused on every rank
+    with the engine unchanged; the default fresh-optimizer resume loads as 0.19.8 did: every weight as saved
+    (the unfrozen layer's too) and the masters rebuilt from those weights. build(config, seed, frozen)."""
+    engine = build(config, seed=0, frozen=("layers.0.", ))
+    train(engine)
+    saved_weights = weights(engine)
+    engine.save_checkpoint(save_dir, tag=TAG)
+    resumed = build(config, seed=1, frozen=())
+    expected_masters = {name: weight.float() for name, weight in saved_weights.items()}
+    check_refused_then_rebuilt(resumed, lambda: build(config, seed=1, frozen=()), save_dir, TRAINABLE_SET_CHANGED,
+                               expected_masters)
+    resumed.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
+    assert_same(weights(resumed), saved_weights, "weights")
+    train(resumed, steps=1)
