@@ -17,12 +17,12 @@ Each command takes --fork / --patches so the tests can run it on scratch copies.
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +44,44 @@ class PatchError(Exception):
 
 
 def pin():
-    with open(ROOT / "upstream.toml", "rb") as f:
-        return tomllib.load(f)["deepspeed"]
+    return load_toml(ROOT / "upstream.toml")["deepspeed"]
+
+
+def load_toml(path):
+    """tomllib (Python 3.11+) or tomli where installed; else the subset of TOML upstream.toml uses, so the
+    tooling runs on Python 3.9 without extra packages."""
+    text = Path(path).read_text()
+    try:
+        import tomllib  # novermin: guarded, Python 3.9 and 3.10 take the fallbacks below
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            return parse_simple_toml(text, path)
+    return tomllib.loads(text)
+
+
+TOML_TABLE = re.compile(r'\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?')
+TOML_STRING = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*"([^"\\]*)"\s*(#.*)?')
+
+
+def parse_simple_toml(text, path="upstream.toml"):
+    """Tables of `key = "string"` lines and comments; anything else is refused rather than misread."""
+    data = {}
+    table = data
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        header, item = TOML_TABLE.fullmatch(line), TOML_STRING.fullmatch(line)
+        if header:
+            table = data.setdefault(header.group(1), {})
+        elif item:
+            table[item.group(1)] = item.group(2)
+        else:
+            raise PatchError(f"{path}:{number}: beyond the TOML this tool reads without tomllib; "
+                             f"use Python 3.11+ or `pip install tomli`")
+    return data
 
 
 def git(repo, *args, env=None, check=True, capture=True):
@@ -109,11 +145,20 @@ def unpack(dest):
         raise PatchError(f"{dest} already exists")
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
+            extract_all(tar, tmp)
         top = Path(tmp) / f"deepspeed-{pin()['version']}"
         # Build products shipped in the sdist: setuptools regenerates them on install.
         shutil.rmtree(top / "deepspeed.egg-info", ignore_errors=True)
         top.rename(dest)
+
+
+def extract_all(tar, dest):
+    # The "data" filter refuses links and paths out of dest; Pythons before 3.9.17 lack it, and the sdist's
+    # sha256 was verified, so extracting without it there is safe.
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, filter="data")
+    else:
+        tar.extractall(dest)
 
 
 def read_series(patches_dir):
