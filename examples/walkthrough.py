@@ -83,8 +83,8 @@ class Walkthrough:
             if line.startswith(("step ", "resumed ")):
                 print(f"    {line}", flush=True)
         print(
-            f"    ({name}: {time.perf_counter() - start:.0f} s, logs {log.relative_to(ROOT)}, "
-            f"{rank_logs.relative_to(ROOT)}/)",
+            f"    ({name}: {time.perf_counter() - start:.0f} s, logs {os.path.relpath(log, ROOT)}, "
+            f"{os.path.relpath(rank_logs, ROOT)}/)",
             flush=True)
         if rc != 0:
             raise RuntimeError(failure_report(name, rc, log, rank_logs))
