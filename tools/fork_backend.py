@@ -26,9 +26,7 @@ from pathlib import Path
 import patches  # tools/patches.py: pyproject.toml's backend-path puts tools/ on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Tests build a scratch copy of the repository; these let them point the backend at other trees too.
-FORK = Path(os.environ.get("DS_FORK_TREE", ROOT / "fork"))
-PATCHES = Path(os.environ.get("DS_FORK_PATCHES", ROOT / "patches"))
+FORK, PATCHES = ROOT / "fork", ROOT / "patches"
 
 
 def _fork_ready():
