@@ -102,9 +102,9 @@ def test_a_fork_behind_the_series_is_reimported_not_refused(tmp_path):
     """After a pull adds a patch, fork/ lacks it: check says so (not "run export", which would drop the new
     patch), and import re-imports without --force since nothing would be lost."""
     fork, patches = tmp_path / "fork", tmp_path / "patches"
-    git(tmp_path, "clone", "--quiet", str(ROOT / "fork"), "fork")
-    git(fork, "fetch", "--quiet", "origin", "refs/tags/*:refs/tags/*")
     shutil.copytree(ROOT / "patches", patches)
+    imported = run_tool("--fork", str(fork), "--patches", str(patches), "import")
+    assert imported.returncode == 0, imported.stderr
     git(fork, "reset", "--quiet", "--hard", "HEAD~1")
     result = check(fork, patches)
     assert result.returncode != 0 and "behind the series: it lacks the last 1 patches" in result.stderr
