@@ -33,7 +33,7 @@ system-deps:
 
 venv: $(VENV)/.deps-stamp
 
-$(VENV)/.deps-stamp: requirements/dev-cpu.txt
+$(VENV)/.deps-stamp: requirements/dev-cpu.txt requirements/tests.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	$(VPY) -m pip install --quiet -r requirements/dev-cpu.txt

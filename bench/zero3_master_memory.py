@@ -228,6 +228,14 @@ def print_table(results, args):
             print("| " + " | ".join(cells) + " |")
 
 
+def check_one_gpu_per_rank(world_size):
+    """Each rank binds GPU <rank>: refuse up front what would fail in set_device (or share a GPU)."""
+    import torch
+    if torch.cuda.device_count() < world_size:
+        sys.exit(f"--cuda runs one rank per GPU: --world-size {world_size} needs {world_size} GPUs, this node has "
+                 f"{torch.cuda.device_count()} (pass --world-size {max(torch.cuda.device_count(), 1)})")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
@@ -242,6 +250,8 @@ def main():
         return run_worker(args)
     if not (ROOT / "pristine" / "deepspeed").is_dir():
         sys.exit("pristine/ is missing: run `make pristine` first")
+    if args.cuda:
+        check_one_gpu_per_rank(args.world_size)
     results = {build: run_impl(build, args) for build in ("pristine", "fork")}
     print_table(results, args)
 

@@ -19,6 +19,7 @@ to --workdir. Runs on the CPU accelerator unless a GPU is found.
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,9 +59,12 @@ class Walkthrough:
         env = dict(os.environ, TORCH_EXTENSIONS_DIR=extensions_dir(tree))
         if pristine:
             env["PYTHONPATH"] = str(PRISTINE)
+        rank_logs = self.workdir / f"{name}.ranks"  # one log per rank, so a failure shows that rank's own error
+        shutil.rmtree(rank_logs, ignore_errors=True)
         command = [
             str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-            str(self.port),
+            str(self.port), "--enable_each_rank_log",
+            str(rank_logs),
             str(TRAIN), "--deepspeed_config",
             str(CONFIGS / config), "--global-batch",
             str(GLOBAL_BATCH), "--metrics",
@@ -75,13 +79,15 @@ class Walkthrough:
         with open(log, "w") as out:
             rc = subprocess.run(command, cwd=self.workdir, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
         remove_shm_comm_buffers("127.0.0.1", self.port)
-        for line in log.read_text().splitlines():
+        for line in rank_log(rank_logs, 0).splitlines():
             if line.startswith(("step ", "resumed ")):
                 print(f"    {line}", flush=True)
-        print(f"    ({name}: {time.perf_counter() - start:.0f} s, log {log.relative_to(ROOT)})", flush=True)
+        print(
+            f"    ({name}: {time.perf_counter() - start:.0f} s, logs {os.path.relpath(log, ROOT)}, "
+            f"{os.path.relpath(rank_logs, ROOT)}/)",
+            flush=True)
         if rc != 0:
-            tail = "\n".join(log.read_text().splitlines()[-15:])
-            raise RuntimeError(f"{name} exited with {rc}; last lines of {log}:\n{tail}")
+            raise RuntimeError(failure_report(name, rc, log, rank_logs))
         return {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
 
     def convert_to_universal(self, checkpoint, tag):
@@ -181,6 +187,35 @@ class Walkthrough:
         print(f"\n{len(self.results) - len(failed)} of {len(self.results)} checks passed" +
               (f"; failed: {', '.join(failed)}" if failed else ""))
         return not failed
+
+
+def rank_log(rank_logs, rank):
+    """The text one rank wrote (the launcher names the files <start time>_rank<r>.log); empty if none."""
+    found = sorted(Path(rank_logs).glob(f"*_rank{rank}.log"))
+    return found[-1].read_text(errors="replace") if found else ""
+
+
+def failed_ranks(launcher_log):
+    """The ranks the launcher reported with a non-zero exit (it names the rank's command line)."""
+    failed = set()
+    for line in launcher_log.splitlines():
+        if "exits with return code" in line:
+            failed.update(int(r) for r in re.findall(r"--local_rank=(\d+)", line))
+    return sorted(failed)
+
+
+def failure_report(name, rc, log, rank_logs, lines=25):
+    """The failing ranks' own last lines (every rank's when the launcher named none), then the launcher's."""
+    launcher = log.read_text(errors="replace")
+    ranks = failed_ranks(launcher) or [0, 1]
+    parts = [f"{name} exited with {rc} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed)"]
+    for rank in ranks:
+        tail = rank_log(rank_logs, rank).splitlines()[-lines:]
+        parts.append(f"----- rank {rank}, last lines of {rank_logs}/*_rank{rank}.log -----")
+        parts += tail or ["(no output)"]
+    parts.append(f"----- launcher, last lines of {log} -----")
+    parts += launcher.splitlines()[-5:]
+    return "\n".join(parts)
 
 
 def all_equal(got, want, key):

@@ -17,17 +17,18 @@ Each command takes --fork / --patches so the tests can run it on scratch copies.
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM_TAG = "upstream"
 SERIES = "series"
+BEHIND = "behind the series:"  # the one difference from patches/ that re-importing loses nothing to
 # Fixed identity and dates make the upstream commit, and so every patch's parent, reproducible.
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "upstream",
@@ -44,8 +45,44 @@ class PatchError(Exception):
 
 
 def pin():
-    with open(ROOT / "upstream.toml", "rb") as f:
-        return tomllib.load(f)["deepspeed"]
+    return load_toml(ROOT / "upstream.toml")["deepspeed"]
+
+
+def load_toml(path):
+    """tomllib (Python 3.11+) or tomli where installed; else the subset of TOML upstream.toml uses, so the
+    tooling runs on Python 3.9 without extra packages."""
+    text = Path(path).read_text()
+    try:
+        import tomllib  # novermin: guarded, Python 3.9 and 3.10 take the fallbacks below
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            return parse_simple_toml(text, path)
+    return tomllib.loads(text)
+
+
+TOML_TABLE = re.compile(r'\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?')
+TOML_STRING = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*"([^"\\]*)"\s*(#.*)?')
+
+
+def parse_simple_toml(text, path="upstream.toml"):
+    """Tables of `key = "string"` lines and comments; anything else is refused rather than misread."""
+    data = {}
+    table = data
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        header, item = TOML_TABLE.fullmatch(line), TOML_STRING.fullmatch(line)
+        if header:
+            table = data.setdefault(header.group(1), {})
+        elif item:
+            table[item.group(1)] = item.group(2)
+        else:
+            raise PatchError(f"{path}:{number}: beyond the TOML this tool reads without tomllib; "
+                             f"use Python 3.11+ or `pip install tomli`")
+    return data
 
 
 def git(repo, *args, env=None, check=True, capture=True):
@@ -83,10 +120,15 @@ def fetch():
                 sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest", tmp,
                 f"deepspeed=={p['version']}"
             ]
-            subprocess.run(cmd, check=True)
+            # Inside pip's isolated build environment (the build backend) PYTHONPATH hides this interpreter's pip.
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             found = list(Path(tmp).glob(f"deepspeed-{p['version']}.tar.gz"))
-            if not found:
-                raise PatchError(f"pip download produced no deepspeed-{p['version']}.tar.gz")
+            if proc.returncode != 0 or not found:
+                reason = (proc.stderr.strip().splitlines() or ["no sdist in its output"])[-1]
+                raise PatchError(f"could not download the pinned deepspeed=={p['version']} sdist with pip: {reason}\n"
+                                 f"Offline? Put deepspeed-{p['version']}.tar.gz (sha256 {p['sha256']}, from "
+                                 f"https://pypi.org/project/deepspeed/{p['version']}/#files) at {path} and retry.")
             verify(found[0], p)
             shutil.move(found[0], path)
     verify(path, p)
@@ -97,8 +139,9 @@ def verify(path, p):
     actual = sha256_of(path)
     if actual != p["sha256"]:
         raise PatchError(f"refusing {path}: sha256 {actual} does not match the pin {p['sha256']} in "
-                         f"upstream.toml. Delete the file and fetch again; if PyPI really serves another "
-                         f"file for deepspeed=={p['version']}, review it before changing the pin.")
+                         f"upstream.toml. Delete the file and fetch again (or put PyPI's "
+                         f"deepspeed-{p['version']}.tar.gz there); if PyPI really serves another file for "
+                         f"deepspeed=={p['version']}, review it before changing the pin.")
 
 
 def unpack(dest):
@@ -109,11 +152,20 @@ def unpack(dest):
         raise PatchError(f"{dest} already exists")
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
+            extract_all(tar, tmp)
         top = Path(tmp) / f"deepspeed-{pin()['version']}"
         # Build products shipped in the sdist: setuptools regenerates them on install.
         shutil.rmtree(top / "deepspeed.egg-info", ignore_errors=True)
         top.rename(dest)
+
+
+def extract_all(tar, dest):
+    # The "data" filter refuses links and paths out of dest; Pythons before 3.9.17 lack it, and the sdist's
+    # sha256 was verified, so extracting without it there is safe.
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, filter="data")
+    else:
+        tar.extractall(dest)
 
 
 def read_series(patches_dir):
@@ -163,14 +215,32 @@ def cmd_import(args):
     fork = Path(args.fork)
     if fork.exists():
         if not args.force:
-            problems = unexported(fork, args.patches)
-            if problems:
-                raise PatchError(f"{fork} holds unexported work; export it or pass --force:\n" + "\n".join(problems))
+            refuse_unexported(fork, args.patches)
         shutil.rmtree(fork)
     unpack(fork)
     init_upstream_repo(fork)
     apply_series(fork, args.patches, three_way=args.three_way)
     print(f"{fork}: upstream + {len(read_series(args.patches))} patches")
+
+
+def refuse_unexported(fork, patches_dir):
+    """Raise unless re-importing fork/ loses nothing (it is in sync, or only lacks the series' newest patches)."""
+    problems = [p for p in unexported(fork, patches_dir) if not p.startswith(BEHIND)]
+    if problems:
+        raise PatchError(f"{fork} holds unexported work; export it (make export) or discard it "
+                         f"(tools/patches.py import --force):\n" + "\n".join(problems))
+
+
+def materialize(fork, patches_dir):
+    """fork/ as the series describes it, for the build backend: kept when in sync, imported when missing or
+    behind the series, refused (PatchError) when it holds unexported work."""
+    fork = Path(fork)
+    if fork.exists() and not (fork / ".git").is_dir():
+        raise PatchError(f"{fork} exists but is not the git tree tools/patches.py imports; move it away")
+    if fork.exists() and not unexported(fork, patches_dir):
+        return False
+    cmd_import(argparse.Namespace(fork=str(fork), patches=str(patches_dir), force=False, three_way=False))
+    return True
 
 
 def subject_filename(index, subject):
@@ -222,11 +292,17 @@ def unexported(fork, patches_dir):
         fork_ids.append(patch_id(git(fork, "show", "--format=", "--full-index", commit) + "\n"))
         if fork_ids[-1] not in exported_ids:
             problems.append(f"unexported commit: {git(fork, 'log', '-1', '--format=%h %s', commit)}")
-    if not problems and fork_ids != exported_ids:
-        problems.append("patches/series and the fork's commits differ in order or count: run export")
+    if problems:
+        return problems
+    behind = len(fork_ids) < len(exported_ids) and fork_ids == exported_ids[:len(fork_ids)]
     messages = [git(fork, "log", "-1", "--format=%B", c) for c in commits]
-    if not problems and messages != [series_message(p) for p in read_series(patches_dir)]:
+    if fork_ids != exported_ids and not behind:
+        problems.append("patches/series and the fork's commits differ in order or count: run export")
+    elif messages != [series_message(p) for p in read_series(patches_dir)[:len(commits)]]:
         problems.append("a commit message differs from its exported patch: run export")
+    elif behind:
+        problems.append(f"{BEHIND} it lacks the last {len(exported_ids) - len(fork_ids)} patches of the series "
+                        f"(patches/ changed, e.g. by a pull): re-import it (make sync)")
     return problems
 
 

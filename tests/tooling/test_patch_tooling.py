@@ -96,3 +96,30 @@ def test_sdist_hash_mismatch_is_refused(tmp_path, monkeypatch):
     fake.write_bytes(b"not the pinned sdist")
     with pytest.raises(tool.PatchError, match="does not match the pin"):
         tool.verify(fake, tool.pin())
+
+
+def test_a_fork_behind_the_series_is_reimported_not_refused(tmp_path):
+    """After a pull adds a patch, fork/ lacks it: check says so (not "run export", which would drop the new
+    patch), and import re-imports without --force since nothing would be lost."""
+    fork, patches = tmp_path / "fork", tmp_path / "patches"
+    shutil.copytree(ROOT / "patches", patches)
+    imported = run_tool("--fork", str(fork), "--patches", str(patches), "import")
+    assert imported.returncode == 0, imported.stderr
+    git(fork, "reset", "--quiet", "--hard", "HEAD~1")
+    result = check(fork, patches)
+    assert result.returncode != 0 and "behind the series: it lacks the last 1 patches" in result.stderr
+    assert "run export" not in result.stderr
+    reimported = run_tool("--fork", str(fork), "--patches", str(patches), "import")
+    assert reimported.returncode == 0, reimported.stderr
+    assert check(fork, patches).returncode == 0
+
+
+def test_upstream_toml_reads_without_tomllib():
+    """Python 3.9/3.10 without tomli: the fallback parser reads upstream.toml as tomllib does."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import patches as tool
+    text = (ROOT / "upstream.toml").read_text()
+    expected = tool.load_toml(ROOT / "upstream.toml")
+    assert tool.parse_simple_toml(text) == expected and expected["deepspeed"]["version"]
+    with pytest.raises(tool.PatchError, match="beyond the TOML this tool reads"):
+        tool.parse_simple_toml('[deepspeed]\nversion = ["0.19.8"]\n')

@@ -8,7 +8,9 @@ the CPU accelerator, nccl on CUDA. The parent waits for every rank:
 
 - a failure on any rank fails the test with that rank's traceback (all failing ranks are shown);
 - a hang (no result before the timeout) fails the test, and every rank's process group is killed;
-- pytest.skip() in a rank skips the test.
+- pytest.skip() in a rank skips the test;
+- off the CPU, a test needs one device per rank on its (simulated) node, and is skipped, with the
+  reason, where the node has fewer: two NCCL ranks on one device fail or hang (upstream skips alike).
 
 Per-test overrides: parametrize `world_size` (as upstream does), or mark the test with
 `@pytest.mark.world_size(n)` / `@pytest.mark.exec_timeout(seconds)`. `local_size` (default: the
@@ -62,6 +64,10 @@ class DistributedTest:
     def __call__(self, request):
         world_size = request.node.funcargs.get("world_size", None) or _marker_arg(request, "world_size",
                                                                                   self.world_size)
+        local_size = self.local_size or world_size
+        reason = device_shortfall(*_accelerator_devices(), world_size, local_size)
+        if reason:
+            pytest.skip(reason)
         timeout = _marker_arg(request, "exec_timeout", self.exec_timeout)
         method = getattr(self, request.function.__name__)
         wanted = inspect.signature(method).parameters
@@ -71,10 +77,32 @@ class DistributedTest:
                     method_name=request.function.__name__,
                     kwargs=kwargs,
                     world_size=world_size,
-                    local_size=self.local_size or world_size,
+                    local_size=local_size,
                     backend=self.backend,
                     pg_timeout_s=self.pg_timeout_s)
         run_ranks(spec, timeout)
+
+
+def _accelerator_devices():
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    return accelerator.device_name(), accelerator.device_count()
+
+
+def device_shortfall(accelerator, device_count, world_size, local_size):
+    """Why this node cannot run world_size ranks, local_size per simulated node, or None when it can.
+
+    The CPU accelerator runs any number of ranks. Elsewhere each rank binds device LOCAL_RANK, so every
+    rank needs its own device: simulated nodes would put their ranks on the same devices, and more local
+    ranks than devices would fail in set_device."""
+    if accelerator == "cpu":
+        return None
+    if local_size < world_size:
+        return (f"simulates {world_size // local_size} nodes on one machine, which only the CPU accelerator "
+                f"can do (ranks of different nodes would share a {accelerator} device)")
+    if device_count < world_size:
+        return f"needs {world_size} {accelerator} devices, one per rank; this node has {device_count}"
+    return None
 
 
 def run_ranks(spec, timeout):

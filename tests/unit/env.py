@@ -34,7 +34,8 @@ def extensions_dir(tree):
 
 def remove_shm_comm_buffers(master_addr, master_port):
     """Unlink the /dev/shm buffers that DeepSpeed's CPU shm allreduce creates per process group
-    (named after MASTER_ADDR and MASTER_PORT). It never unlinks them, so without this each multi-rank
-    run leaves tens of MiB of RAM behind in /dev/shm."""
+    (named after MASTER_ADDR and MASTER_PORT). Pristine 0.19.8 never unlinks them (patch 0008 does once
+    every rank mapped them), so without this each of its multi-rank runs leaves 66 MiB per rank of RAM
+    behind in /dev/shm; a run killed before that point leaves them too."""
     for path in Path("/dev/shm").glob(f"deepspeed_*_{master_addr}_{master_port}_*"):
         path.unlink(missing_ok=True)
