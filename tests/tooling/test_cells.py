@@ -76,19 +76,25 @@ def test_recorder_outcomes_and_cells(pytester, tmp_path):
     assert [c["checkpoint"] for c in nvme] == ["rigid", "universal"]
     assert {c["offload"] for c in nvme} == {"nvme"}
     assert tests["test_sample.py::TestResume::test_zero12[1-fp16]"]["cells"] == [
-        dict(feature="resume", stage="1", precision="fp16", offload="none", checkpoint="-", layout="none")
+        dict(feature="resume",
+             stage="1",
+             precision="fp16",
+             offload="none",
+             checkpoint="-",
+             layout="none",
+             settings="defaults")
     ]
 
 
 def test_matrix_statuses(pytester, tmp_path):
     table = load_tool().matrix(run_sample(pytester, tmp_path)).splitlines()
-    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:7]) for line in table[2:] if "|" in line}
-    assert ("resume", "3", "bf16", "none", "rigid", "none", "validated") in rows
-    assert ("resume", "3", "bf16", "none", "universal", "none", "FAILED") in rows
-    assert ("resume", "3", "bf16", "nvme", "universal", "none", "not run") in rows
-    assert ("resume", "1", "fp16", "none", "-", "none", "validated") in rows
-    assert ("resume", "3", "bf16", "none", "-", "none", "not run") in rows  # test_deselected
-    assert table[0].startswith("| feature | ZeRO stage | precision | offload | checkpoint | layout change")
+    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:8]) for line in table[2:] if "|" in line}
+    assert ("resume", "3", "bf16", "none", "rigid", "none", "defaults", "validated") in rows
+    assert ("resume", "3", "bf16", "none", "universal", "none", "defaults", "FAILED") in rows
+    assert ("resume", "3", "bf16", "nvme", "universal", "none", "defaults", "not run") in rows
+    assert ("resume", "1", "fp16", "none", "-", "none", "defaults", "validated") in rows
+    assert ("resume", "3", "bf16", "none", "-", "none", "defaults", "not run") in rows  # test_deselected
+    assert table[0].startswith("| feature | ZeRO stage | precision | offload | checkpoint | layout change | settings")
 
 
 def test_matrix_where_filters(pytester, tmp_path):

@@ -14,10 +14,10 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
-                                                 check_refused_then_rebuilt, check_unfreeze_then_resume,
-                                                 expect_rejected, freeze, make_config, masters, move_aside_on_rank,
-                                                 moments, remove_shards, rounding, save_in_world, shard_path, steps,
-                                                 to_universal, truncate_on_rank)
+                                                 check_refused_then_rebuilt, check_trainable_set_change, freeze,
+                                                 make_config, masters, move_aside_on_rank, moments, remove_shards,
+                                                 rounding, save_in_world, shard_path, steps, to_universal,
+                                                 truncate_on_rank)
 from unit.common import DistributedTest
 from unit.simple_model import TinyMLP, fixed_batch
 
@@ -112,6 +112,7 @@ class TestZero12ResumeWithoutShards(DistributedTest):
     pg_timeout_s = 60
 
     @pytest.mark.exec_timeout(200)
+    @pytest.mark.cell(checkpoint="rigid, shard missing on one rank")
     @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
     def test_missing_shards(self, tmpdir, stage, precision):
         """Rank 0's shard missing, then rank 1's: restoring the masters (with or without optimizer states) is
@@ -133,20 +134,17 @@ class TestZero12ResumeWithoutShards(DistributedTest):
         assert_fresh(engine)
 
     @pytest.mark.exec_timeout(150)
-    @pytest.mark.cell(stage=1, precision="bf16")
+    @pytest.mark.cell(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank")
     def test_truncated_shard_on_one_rank(self, tmpdir):
-        """Rank 1's shard cut in half: the parameter-alignment check that reads it fails there, and every rank
-        refuses before anything changes instead of waiting for rank 1."""
+        """Rank 1's shard cut in half: restoring the masters is refused on every rank before anything changes
+        (instead of rank 0 waiting for rank 1), and a fresh-optimizer resume rebuilds them on every rank, as 0.19.8
+        did without reading the shards."""
         save_dir = str(tmpdir)
-        train_and_save(config_for(1, "bf16"), save_dir)
+        saved_masters, _ = train_and_save(config_for(1, "bf16"), save_dir)
         truncate_on_rank(shard_path(save_dir, 1), 1)
-        engine = build(config_for(1, "bf16"), seed=1)
-        for load_optimizer_states in (False, True):
-            expect_rejected(engine,
-                            save_dir,
-                            "cannot be read.*truncated or corrupt",
-                            refusing_rank=1,
-                            load_optimizer_states=load_optimizer_states)
+        check_refused_then_rebuilt(build(config_for(1, "bf16"), seed=1), lambda: build(config_for(1, "bf16"), seed=1),
+                                   save_dir, "cannot be read.*truncated or corrupt.*" + WAYS_OUT,
+                                   rounding(saved_masters), 1)
 
 
 @pytest.mark.cell(feature="resume", offload="none", checkpoint="rigid", layout="trainable set")
@@ -155,9 +153,10 @@ class TestZero12TrainableSetChange(DistributedTest):
     pg_timeout_s = 60
 
     @pytest.mark.exec_timeout(200)
+    @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
     @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
-    def test_unfreeze_then_resume(self, tmpdir, stage, precision):
-        check_unfreeze_then_resume(str(tmpdir), config_for(stage, precision), build)
+    def test_trainable_set_change(self, tmpdir, stage, precision, direction):
+        check_trainable_set_change(str(tmpdir), config_for(stage, precision), build, direction)
 
 
 # What a load restores besides weights and masters: the loss scaler (fp16) and clip_grad (saved by ZeRO-1/2 and

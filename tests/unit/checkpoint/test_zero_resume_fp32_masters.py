@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
-                                                 check_refused_then_rebuilt, check_unfreeze_then_resume,
+                                                 check_refused_then_rebuilt, check_trainable_set_change,
                                                  expect_rejected, make_config, make_engine, masters,
                                                  move_aside_on_rank, moments, remove_shards, rounding, save_in_world,
                                                  shard_path, steps, to_universal, train, train_and_save,
@@ -80,6 +80,7 @@ class TestZero3ResumeRejected(DistributedTest):
                                    dp4_checkpoint, "DP world size of 4.*" + WAYS_OUT, rounding(saved_masters))
 
     @pytest.mark.exec_timeout(200)
+    @pytest.mark.cell(checkpoint="rigid, shard missing on one rank")
     def test_missing_shard_of_one_rank(self, tmpdir):
         """Rank 0's shard missing, then rank 1's: the rank that lacks it refuses, and so does the other."""
         save_dir = str(tmpdir)
@@ -90,12 +91,13 @@ class TestZero3ResumeRejected(DistributedTest):
             for load_optimizer_states in (False, True):
                 expect_rejected(engine,
                                 save_dir,
-                                "optim_states.pt shard.*" + WAYS_OUT,
+                                f"rank_{missing_rank}_mp_rank_00_optim_states.pt is missing.*Restore the file",
                                 refusing_rank=missing_rank,
                                 load_optimizer_states=load_optimizer_states)
             put_back()
 
     @pytest.mark.exec_timeout(200)
+    @pytest.mark.cell(checkpoint="rigid, truncated shard on one rank")
     def test_truncated_shard_on_one_rank(self, tmpdir):
         """Rank 1's shard cut in half: every rank refuses before anything changes, none waits for rank 1."""
         save_dir = str(tmpdir)
@@ -105,14 +107,28 @@ class TestZero3ResumeRejected(DistributedTest):
         for load_optimizer_states in (False, True):
             expect_rejected(engine,
                             save_dir,
-                            "cannot be read.*truncated or corrupt",
+                            "rank_1_mp_rank_00_optim_states.pt cannot be read.*Restore the file",
                             refusing_rank=1,
                             load_optimizer_states=load_optimizer_states)
 
     @pytest.mark.cell(layout="trainable set")
     @pytest.mark.exec_timeout(200)
-    def test_unfreeze_then_resume(self, tmpdir):
-        check_unfreeze_then_resume(str(tmpdir), make_config(3, "bf16"), make_engine)
+    @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
+    def test_trainable_set_change(self, tmpdir, direction):
+        check_trainable_set_change(str(tmpdir), make_config(3, "bf16"), make_engine, direction)
+
+    @pytest.mark.cell(layout="dp4->dp2")
+    @pytest.mark.exec_timeout(200)
+    def test_dp_size_change_with_a_missing_shard(self, dp4_checkpoint):
+        """Saved by 4 ranks, loaded by 2, saved rank 3's shard gone: the rebuild would consolidate every shard, so
+        every mode is refused on every rank before anything changes."""
+        engine = make_engine(make_config(3, "bf16"), seed=1)
+        put_back = move_aside_on_rank(shard_path(dp4_checkpoint, 3), 0)
+        for kwargs in (dict(load_optimizer_states=False), dict(load_optimizer_states=False,
+                                                               load_fp32_weights=False), dict(load_module_only=True)):
+            expect_rejected(engine, dp4_checkpoint, "rank_3_mp_rank_00_optim_states.pt is missing.*Restore the file",
+                            **kwargs)
+        put_back()
 
 
 @pytest.fixture
@@ -131,8 +147,13 @@ class TestZero3ResumeAtLargerDP(DistributedTest):
         """Saved by 2 ranks, loaded by 4: ranks 2 and 3 have no model-states file. Every mode is refused on every
         rank before anything changes, naming the universal checkpoint as the way out."""
         engine = make_engine(make_config(3, "bf16"), seed=1)
+        rank = torch.distributed.get_rank()
+        if rank >= 2:  # its own reason
+            match = f"no zero_pp_rank_{rank}_mp_rank_00_model_states.pt.*states of 2 data-parallel ranks.*4"
+        else:  # the DP size (a full resume), or rank 2's reason
+            match = "(DP world size of 2|rank 2 refused it)"
         for kwargs in (dict(), dict(load_optimizer_states=False), dict(load_module_only=True)):
-            expect_rejected(engine, dp2_checkpoint, "ds_to_universal", **kwargs)
+            expect_rejected(engine, dp2_checkpoint, match + ".*ds_to_universal", **kwargs)
 
 
 @pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid")

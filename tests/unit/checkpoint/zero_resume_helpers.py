@@ -79,7 +79,8 @@ def train(engine, steps=3):
 
 
 def masters(engine):
-    return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    """{name: fp32 master} of every trainable parameter."""
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
 
 
 def moments(engine):
@@ -91,7 +92,7 @@ def moments(engine):
             k: _clone(safe_get_full_optimizer_state(p, k)) if k in present else None
             for k in ("exp_avg", "exp_avg_sq")
         }
-        for n, p in engine.module.named_parameters()
+        for n, p in engine.module.named_parameters() if p.requires_grad
     }
 
 
@@ -255,22 +256,27 @@ def truncate_on_rank(path, rank):
     dist.barrier()
 
 
-TRAINABLE_SET_CHANGED = "trainable now but were not when it was saved.*" + WAYS_OUT
+TRAINABLE_SET_CHANGED = {
+    "unfreeze": "trainable now but were not when it was saved.*" + WAYS_OUT,
+    "freeze": "were trainable when it was saved but are not now.*" + WAYS_OUT,
+}
 
 
-def check_unfreeze_then_resume(save_dir, config, build):
-    """Train with layers.0 frozen and save; resume with everything trainable (the usual reason for a fresh
-    optimizer). Restoring the saved optimizer states or, explicitly, the saved masters is refused on every rank
-    with the engine unchanged; the default fresh-optimizer resume loads as 0.19.8 did: every weight as saved
-    (the unfrozen layer's too) and the masters rebuilt from those weights. build(config, seed, frozen)."""
-    engine = build(config, seed=0, frozen=("layers.0.", ))
+def check_trainable_set_change(save_dir, config, build, direction):
+    """Save with layers.0 frozen and resume with everything trainable (direction "unfreeze", the usual reason for a
+    fresh optimizer), or the reverse ("freeze"). Restoring the saved optimizer states or, explicitly, the saved
+    masters is refused on every rank with the engine unchanged; a fresh-optimizer resume loads as 0.19.8 did: every
+    weight as saved and the masters rebuilt from those weights. build(config, seed, frozen)."""
+    saved_frozen, resumed_frozen = (("layers.0.", ), ()) if direction == "unfreeze" else ((), ("layers.0.", ))
+    engine = build(config, seed=0, frozen=saved_frozen)
     train(engine)
     saved_weights = weights(engine)
     engine.save_checkpoint(save_dir, tag=TAG)
-    resumed = build(config, seed=1, frozen=())
-    expected_masters = {name: weight.float() for name, weight in saved_weights.items()}
-    check_refused_then_rebuilt(resumed, lambda: build(config, seed=1, frozen=()), save_dir, TRAINABLE_SET_CHANGED,
-                               expected_masters)
+    resumed = build(config, seed=1, frozen=resumed_frozen)
+    trainable = {name for name, param in resumed.module.named_parameters() if param.requires_grad}
+    expected_masters = {name: weight.float() for name, weight in saved_weights.items() if name in trainable}
+    check_refused_then_rebuilt(resumed, lambda: build(config, seed=1, frozen=resumed_frozen), save_dir,
+                               TRAINABLE_SET_CHANGED[direction], expected_masters)
     resumed.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
     assert_same(weights(resumed), saved_weights, "weights")
     train(resumed, steps=1)
