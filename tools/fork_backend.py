@@ -7,8 +7,8 @@ pinned sdist, import upstream and apply patches/series into a scratch tree, swap
 that holds the series is kept, and built as it is with a warning (`pip install -v` shows it) when it also holds
 unexported work; one imported from an older series is re-imported when it holds nothing of its own, the old
 tree kept as fork.bak-<time>, and refused when it does), then hands the hook to setuptools inside fork/, so
-DeepSpeed's own setup.py builds it: the same package, console scripts and JIT ops as `pip install fork`. An editable install maps `deepspeed` to fork/deepspeed, so
-edits there take effect without reinstalling.
+DeepSpeed's own setup.py builds it: the same package, console scripts and JIT ops as `pip install fork`.
+An editable install maps `deepspeed` to fork/deepspeed, so edits there take effect without reinstalling.
 
 Torch is not a build requirement: DeepSpeed's setup.py only needs it to precompile ops (DS_BUILD_OPS=1)
 and to record the torch it was built with; JIT-built ops need neither, and a torch in the isolated build
