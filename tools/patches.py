@@ -319,6 +319,21 @@ def materialize(fork, patches_dir):
     return True
 
 
+def refuse_stale_export(fork, patches_dir):
+    """Exporting a fork/ imported from an older series would overwrite the newer patches/ (e.g. after a pull).
+    Only a fork/ with the `imported` tag can tell; an older one may just have amended commits."""
+    if not has_ref(fork, f"refs/tags/{IMPORTED_TAG}"):
+        return
+    own, relation, missing = assess(fork, patches_dir)
+    if relation != CURRENT and own:
+        raise PatchError(
+            older_series_message(fork, relation, missing, own) +
+            "\n(`tools/patches.py export --force` overwrites patches/ all the same.)")
+    if relation != CURRENT:
+        raise PatchError(f"{fork} was imported from an older series than {patches_dir} holds and has nothing "
+                         f"to export; exporting it would overwrite the newer patches. Re-import it: make sync.")
+
+
 def subject_filename(index, subject):
     slug = "".join(c if c.isalnum() else "-" for c in subject.lower())
     slug = "-".join(part for part in slug.split("-") if part)[:60].rstrip("-")
@@ -329,6 +344,8 @@ def cmd_export(args):
     fork, patches_dir = Path(args.fork), Path(args.patches)
     if git(fork, "status", "--porcelain", "--untracked-files=no"):
         raise PatchError(f"{fork} has uncommitted edits: commit them (git commit --fixup for an existing patch) first")
+    if not args.force:
+        refuse_stale_export(fork, patches_dir)
     commits = git(fork, "rev-list", "--reverse", "--no-merges", f"{UPSTREAM_TAG}..HEAD").split()
     patches_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -488,7 +505,8 @@ def main(argv=None):
     p_import.add_argument("--force",
                           action="store_true",
                           help="re-import even over unexported work (the old tree is kept as fork.bak-<time>)")
-    sub.add_parser("export")
+    p_export = sub.add_parser("export")
+    p_export.add_argument("--force", action="store_true", help="export even over a newer patches/ (after a pull)")
     sub.add_parser("check")
     p_pristine = sub.add_parser("pristine")
     p_pristine.add_argument("--dest", default=str(ROOT / "pristine"))

@@ -5,6 +5,7 @@ after patches/ changed: re-import only what loses nothing, into a scratch tree s
 old tree kept as fork.bak-<time>); refuse a fork/ that predates the series and holds work, without advising
 `make export`; build a fork/ that holds the series plus local work as it is, with a warning. Scratch repos only."""
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -138,3 +139,16 @@ def test_a_patch_that_fails_leaves_fork_in_place(scratch):
     with pytest.raises(tool.PatchError, match="is unchanged"):
         tool.replace_fork(fork, patches)
     assert head(fork) == before and not backups(fork)
+
+
+def test_export_refuses_to_overwrite_a_newer_series(scratch):
+    fork, patches = scratch
+    (fork / "mine.txt").write_text("my own work\n")
+    git(fork, "add", "mine.txt")
+    git(fork, "commit", "--quiet", "-m", "my own work")
+    revise_first_patch(patches)
+    revised = {p.name: p.read_text() for p in patches.iterdir()}
+    args = argparse.Namespace(fork=str(fork), patches=str(patches), force=False)
+    with pytest.raises(tool.PatchError, match="Do not `make export`"):
+        tool.cmd_export(args)
+    assert {p.name: p.read_text() for p in patches.iterdir()} == revised
