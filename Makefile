@@ -39,12 +39,13 @@ $(VENV)/.deps-stamp: requirements/dev-cpu.txt requirements/tests.txt
 	$(VPY) -m pip install --quiet -r requirements/dev-cpu.txt
 	touch $@
 
-# Import the series once; `make sync` re-imports after patches/ changed (refuses to drop work).
+# Import the series once; `make sync` re-imports after patches/ changed (refuses to drop work; FORCE=1 sets
+# fork/ aside as fork.bak-<time> instead).
 fork: venv
 	test -d fork/.git || $(VPY) $(PATCHES) import
 
 sync: venv
-	$(VPY) $(PATCHES) import
+	$(VPY) $(PATCHES) import $(if $(FORCE),--force)
 
 # Editable install of the patched tree; skipped when `deepspeed` already resolves to fork/.
 install: fork

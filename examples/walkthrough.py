@@ -46,7 +46,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class Walkthrough:
 
     def __init__(self, workdir, port):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()  # the launcher runs with cwd=workdir
         self.port = port
         self.results = []  # (check, passed, detail)
 
@@ -79,7 +79,7 @@ class Walkthrough:
         with open(log, "w") as out:
             rc = subprocess.run(command, cwd=self.workdir, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
         remove_shm_comm_buffers("127.0.0.1", self.port)
-        for line in rank_log(rank_logs, 0).splitlines():
+        for line in rank_logs_found(rank_logs).get(0, "").splitlines():
             if line.startswith(("step ", "resumed ")):
                 print(f"    {line}", flush=True)
         print(
@@ -189,32 +189,37 @@ class Walkthrough:
         return not failed
 
 
-def rank_log(rank_logs, rank):
-    """The text one rank wrote (the launcher names the files <start time>_rank<r>.log); empty if none."""
-    found = sorted(Path(rank_logs).glob(f"*_rank{rank}.log"))
-    return found[-1].read_text(errors="replace") if found else ""
+def rank_logs_found(rank_logs):
+    """{rank: text} of every rank's own log (the launcher names the files <start time>_rank<r>.log)."""
+    logs = {}
+    for path in sorted(Path(rank_logs).glob("*_rank*.log")):  # sorted: a rank's newest log wins
+        rank = re.fullmatch(r".*_rank(\d+)\.log", path.name)
+        if rank:
+            logs[int(rank.group(1))] = path.read_text(errors="replace")
+    return logs
 
 
-def failed_ranks(launcher_log):
-    """The ranks the launcher reported with a non-zero exit (it names the rank's command line)."""
-    failed = set()
-    for line in launcher_log.splitlines():
-        if "exits with return code" in line:
-            failed.update(int(r) for r in re.findall(r"--local_rank=(\d+)", line))
-    return sorted(failed)
+def looks_failed(text):
+    return "Traceback" in text or "Error" in text
 
 
 def failure_report(name, rc, log, rank_logs, lines=25):
-    """The failing ranks' own last lines (every rank's when the launcher named none), then the launcher's."""
-    launcher = log.read_text(errors="replace")
-    ranks = failed_ranks(launcher) or [0, 1]
-    parts = [f"{name} exited with {rc} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed)"]
-    for rank in ranks:
-        tail = rank_log(rank_logs, rank).splitlines()[-lines:]
+    """Every rank's own last lines, those that show an error first, then the launcher's. The launcher's
+    "exits with return code" line is not parsed: it prints the last spawned rank's command, whichever failed."""
+    logs = rank_logs_found(rank_logs)
+    order = sorted(logs, key=lambda r: (not looks_failed(logs[r]), r))
+    erred = [r for r in order if looks_failed(logs[r])]
+    header = f"{name} exited with {rc}"
+    if erred:
+        header += f" (error in the log of rank{'s' if len(erred) > 1 else ''} {', '.join(map(str, erred))})"
+    parts = [header]
+    for rank in order:
         parts.append(f"----- rank {rank}, last lines of {rank_logs}/*_rank{rank}.log -----")
-        parts += tail or ["(no output)"]
+        parts += logs[rank].splitlines()[-lines:] or ["(no output)"]
+    if not logs:
+        parts.append(f"----- no rank logs in {rank_logs} -----")
     parts.append(f"----- launcher, last lines of {log} -----")
-    parts += launcher.splitlines()[-5:]
+    parts += log.read_text(errors="replace").splitlines()[-5:]
     return "\n".join(parts)
 
 
@@ -245,12 +250,14 @@ def main():
     args = parser.parse_args()
     if not (PRISTINE / "deepspeed").is_dir():
         sys.exit("pristine/ is missing: run `make pristine` (or `make demo`, which does)")
+    # The launcher runs with cwd=workdir, so every path handed to it must be absolute.
+    args.workdir = Path(args.workdir).resolve()
     set_default_environment()
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
     walk = Walkthrough(args.workdir, args.master_port)
     start = time.perf_counter()
-    checkpoint = Path(args.workdir) / "checkpoints"
+    checkpoint = args.workdir / "checkpoints"
     try:
         walk.master_sharing()
         uninterrupted = walk.fresh_optimizer_resume(checkpoint)

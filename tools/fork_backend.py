@@ -2,12 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The build backend of `pip install .` / `pip install -e .` at the repository root (pyproject.toml).
 
-Every hook first makes fork/ what the series describes (tools/patches.py: fetch and verify the pinned
-sdist, import upstream and apply patches/series; a fork/ in sync is kept, one that only lacks the series'
-newest patches is re-imported, one holding unexported work is refused, as `make sync` does), then hands
-the hook to setuptools inside fork/, so DeepSpeed's own setup.py builds it: the same package, console
-scripts and JIT ops as `pip install fork`. An editable install maps `deepspeed` to fork/deepspeed, so
-edits there take effect without reinstalling.
+Every hook first makes fork/ what the series describes (tools/patches.py materialize: fetch and verify the
+pinned sdist, import upstream and apply patches/series into a scratch tree, swapped in once complete; a fork/
+that holds the series is kept, and built as it is with a warning (`pip install -v` shows it) when it also holds
+unexported work; one imported from an older series is re-imported when it holds nothing of its own, the old
+tree kept as fork.bak-<time>, and refused when it does), then hands the hook to setuptools inside fork/, so
+DeepSpeed's own setup.py builds it: the same package, console scripts and JIT ops as `pip install fork`.
+An editable install maps `deepspeed` to fork/deepspeed, so edits there take effect without reinstalling.
 
 Torch is not a build requirement: DeepSpeed's setup.py only needs it to precompile ops (DS_BUILD_OPS=1)
 and to record the torch it was built with; JIT-built ops need neither, and a torch in the isolated build
@@ -15,8 +16,8 @@ environment would be a second, multi-GB download. Install with --no-build-isolat
 environment's own torch (and setuptools). Either way pip keeps the environment's torch, which satisfies
 DeepSpeed's `torch` requirement.
 
-A failure to materialize fork/ (offline without the sdist, a wrong sdist, unexported work) ends the build
-with one message naming the way out, not a traceback.
+A failure to materialize fork/ (offline without the sdist, a wrong sdist, work a re-import would lose) ends
+the build with one message naming the way out, not a traceback.
 """
 
 import contextlib

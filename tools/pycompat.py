@@ -18,7 +18,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VERMIN = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--eval-annotations"]
+# --feature union-types: without it vermin 1.9 does not flag `X | None` annotations (3.10).
+VERMIN = [
+    sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--eval-annotations",
+    "--feature", "union-types"
+]
 OUR_MINIMUM = (3, 9)
 UPSTREAM_MINIMUM = (3, 8)
 UPSTREAM_TAG = "upstream"  # tools/patches.py tags the pristine commit of fork/ with it
@@ -30,7 +34,7 @@ def vermin(paths):
     minimums = {}
     for line in proc.stdout.splitlines():
         path, line_number, _, _, py3, _ = (line.rsplit(":", 5) + [""] * 6)[:6]
-        if path and not line_number and py3 and py3[0].isdigit():
+        if path and not line_number and py3.lstrip("~")[:1].isdigit():
             minimums[Path(path).resolve()] = version(py3)
     missing = [p for p in paths if Path(p).resolve() not in minimums]
     if missing:
@@ -39,7 +43,9 @@ def vermin(paths):
 
 
 def version(text):
-    return tuple(int(part) for part in text.split(".")[:2])
+    """(major, minor) of a vermin verdict; "~3" (no version-specific feature found) counts as 3.0."""
+    parts = [int(part) for part in text.lstrip("~").split(".")[:2]]
+    return tuple(parts + [0] * (2 - len(parts)))
 
 
 def explain(path, target):
@@ -62,12 +68,24 @@ def check_ours():
 
 
 def touched_files(fork):
+    """The Python files the series adds or modifies; --no-renames so a renamed file counts as added."""
     changed = subprocess.run(
-        ["git", "-C", str(fork), "diff", "--name-only", "--diff-filter=AM", UPSTREAM_TAG, "--", "*.py"],
+        ["git", "-C", str(fork), "diff", "--name-only", "--no-renames", "--diff-filter=AM", UPSTREAM_TAG],
         capture_output=True,
         text=True,
         check=True)
-    return changed.stdout.split()
+    return [name for name in changed.stdout.splitlines() if is_python(Path(fork) / name)]
+
+
+def is_python(path):
+    """A *.py file, or a script (fork/bin/deepspeed, deepspeed.pt) whose shebang names python."""
+    if not path.is_file():
+        return False
+    if path.suffix == ".py":
+        return True
+    with open(path, "rb") as f:
+        first = f.readline()
+    return first.startswith(b"#!") and b"python" in first
 
 
 def pristine_copies(fork, names, dest):
