@@ -51,6 +51,12 @@ def revise_first_patch(patches):
     first.write_text(text.replace("\n\ndiff --git ", "\n\nRevised after review.\n\ndiff --git ", 1))
 
 
+def commit_own_work(fork):
+    (fork / "mine.txt").write_text("my own work\n")
+    git(fork, "add", "mine.txt")
+    git(fork, "commit", "--quiet", "-m", "my own work")
+
+
 def backups(fork):
     return sorted(fork.parent.glob(f"{fork.name}.bak-*"))
 
@@ -75,9 +81,7 @@ def test_a_revised_series_is_reimported_when_fork_holds_nothing_of_its_own(scrat
 
 def test_a_revised_series_over_own_work_is_refused_without_advising_export(scratch):
     fork, patches = scratch
-    (fork / "mine.txt").write_text("my own work\n")
-    git(fork, "add", "mine.txt")
-    git(fork, "commit", "--quiet", "-m", "my own work")
+    commit_own_work(fork)
     revise_first_patch(patches)
     before = head(fork)
     with pytest.raises(tool.PatchError) as refused:
@@ -143,9 +147,7 @@ def test_a_patch_that_fails_leaves_fork_in_place(scratch):
 
 def test_export_refuses_to_overwrite_a_newer_series(scratch):
     fork, patches = scratch
-    (fork / "mine.txt").write_text("my own work\n")
-    git(fork, "add", "mine.txt")
-    git(fork, "commit", "--quiet", "-m", "my own work")
+    commit_own_work(fork)
     revise_first_patch(patches)
     revised = {p.name: p.read_text() for p in patches.iterdir()}
     args = argparse.Namespace(fork=str(fork), patches=str(patches), force=False)
