@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
-from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, save_in_world, to_universal,
-                                                 train_and_save)
+from unit.checkpoint.zero_resume_helpers import (checkpoint_saved_by, TAG, make_config, make_engine, masters,
+                                                 to_universal, train_and_save)
 from unit.common import DistributedTest
 from unit.simple_model import SETTINGS
 
@@ -71,11 +71,7 @@ class TestSerialLoadOneNode(DistributedTest):
             engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=True)
 
 
-@pytest.fixture
-def dp4_checkpoint(tmp_path):
-    # Saved by 4 ranks and loaded by 2: ZeRO-3 names each rank's model file by its DP rank.
-    save_in_world(tmp_path, world_size=4)
-    return str(tmp_path)
+dp4_checkpoint = checkpoint_saved_by(4)
 
 
 @pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", checkpoint="rigid", layout="dp4->dp2")

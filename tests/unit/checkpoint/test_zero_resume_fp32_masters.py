@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
-                                                 check_refused_then_rebuilt, check_trainable_set_change,
-                                                 expect_rejected, make_config, make_engine, masters,
-                                                 move_aside_on_rank, moments, remove_shards, rounding, save_in_world,
+from unit.checkpoint.zero_resume_helpers import (checkpoint_saved_by, RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT,
+                                                 assert_fresh, assert_same, check_refused_then_rebuilt,
+                                                 check_trainable_set_change, expect_rejected, make_config, make_engine,
+                                                 masters, move_aside_on_rank, moments, remove_shards, rounding,
                                                  shard_path, steps, to_universal, train, train_and_save,
                                                  truncate_on_rank)
 from unit.common import DistributedTest
@@ -58,10 +58,7 @@ class TestZero3ResumeTable(DistributedTest):
                            saved_masters, saved_moments)
 
 
-@pytest.fixture
-def dp4_checkpoint(tmp_path):
-    save_in_world(tmp_path, world_size=4)
-    return str(tmp_path)
+dp4_checkpoint = checkpoint_saved_by(4)
 
 
 @pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid")
@@ -131,10 +128,7 @@ class TestZero3ResumeRejected(DistributedTest):
         put_back()
 
 
-@pytest.fixture
-def dp2_checkpoint(tmp_path):
-    save_in_world(tmp_path, world_size=2)
-    return str(tmp_path)
+dp2_checkpoint = checkpoint_saved_by(2)
 
 
 @pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid", layout="dp2->dp4")

@@ -202,6 +202,18 @@ def save_in_world(save_dir, world_size, stage=3, precision="bf16", timeout=420):
     run_ranks(spec, timeout)
 
 
+def checkpoint_saved_by(world_size):
+    """A fixture: the path of a ZeRO-3 bf16 checkpoint saved (TAG) by `world_size` ranks, for a test run at another
+    size (ZeRO-3 names each rank's model file by its data-parallel rank)."""
+
+    @pytest.fixture
+    def saved_checkpoint(tmp_path):
+        save_in_world(tmp_path, world_size=world_size)
+        return str(tmp_path)
+
+    return saved_checkpoint
+
+
 def rounding(tensors, dtype=torch.bfloat16):
     """The masters a rebuild from the 16-bit weights gives: the saved ones rounded to `dtype` and back."""
     return {n: t.to(dtype).float() for n, t in tensors.items()}
