@@ -47,7 +47,7 @@ def analytic_minimum(precision):
 
 
 def config_for(precision, hidden):
-    from unit.simple_model import zero3_config
+    from unit.zero_tiny_models import zero3_config
     config = zero3_config(precision)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     config["zero_optimization"]["reduce_bucket_size"] = hidden * hidden
@@ -102,7 +102,7 @@ def rank_main(rank, args, port, queue):
     import torch
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from unit.simple_model import TinyMLP, fixed_batch, model_dtype
+    from unit.zero_tiny_models import TinyMLP, fixed_batch, model_dtype
     accelerator = get_accelerator()
     on_cuda = accelerator.device_name() == "cuda"
     if on_cuda:

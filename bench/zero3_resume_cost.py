@@ -155,7 +155,7 @@ class TorchLoadSpy:
 def build_engine(args):
     import torch
     import deepspeed
-    from unit.simple_model import TinyMLP, zero3_config
+    from unit.zero_tiny_models import TinyMLP, zero3_config
     config = zero3_config("bf16")
     config["zero_optimization"]["reduce_bucket_size"] = args.hidden * args.hidden
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = args.hidden * args.hidden
@@ -167,7 +167,7 @@ def build_engine(args):
 
 def train_step(engine, hidden):
     import torch
-    from unit.simple_model import fixed_batch
+    from unit.zero_tiny_models import fixed_batch
     x, y = fixed_batch(hidden=hidden, dtype=torch.bfloat16, device=engine.device)
     engine.backward(engine(x, y))
     engine.step()

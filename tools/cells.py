@@ -10,8 +10,8 @@
     tools/cells.py --results test-results/cells-pristine.json   # the same tests run on pristine 0.19.8
 
 A cell is "validated" when at least one of its tests passed and none failed, "FAILED" when any failed,
-and "not run" when its tests were deselected or skipped in that run. Cells come from the tests'
-`@pytest.mark.cell` markers (tests/unit/cells.py).
+and "not run" when its tests were deselected or skipped in that run. Cells come from tests/unit/cell_manifest.py
+(and `@pytest.mark.cell` markers; tests/unit/cells.py).
 """
 
 import argparse

@@ -102,3 +102,52 @@ def test_matrix_where_filters(pytester, tmp_path):
     table = tool.matrix(run_sample(pytester, tmp_path), "resume", tool.parse_where(["stage=1,2"]))
     rows = [line for line in table.splitlines()[2:] if line.startswith("| resume")]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
+
+
+MANIFEST_TESTS = '''
+import pytest
+
+
+class TestResume:
+
+    @pytest.mark.parametrize("checkpoint", ["rigid", "universal"])
+    def test_table(self, checkpoint):
+        pass
+
+    def test_table_other(self):
+        pass
+
+    @pytest.mark.parametrize("layout", ["dp4->dp2"])
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_param(self, n, layout):
+        pass
+'''
+
+
+def test_manifest_keys_by_test_id_longest_wins(pytester):
+    """The manifest (unit/cell_manifest.py) gives a test's cell without markers: every key over the test's id
+    applies, longer keys override shorter ones, a key is not a prefix of a longer name, and parametrize arguments
+    named after an axis still fill it."""
+    from unit.cells import cells_of
+    pytester.makepyfile(test_sample=MANIFEST_TESTS)
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    manifest = {
+        "test_sample.py": dict(feature="resume", stage=3, precision="bf16"),
+        "test_sample.py::TestResume::test_table": dict(offload="nvme"),
+        "test_sample.py::TestResume::test_param[1-dp4->dp2]": dict(stage=1),
+    }
+    cells = {item.nodeid.split("::")[-1]: cells_of(item, manifest) for item in items}
+    assert [c["checkpoint"]
+            for c in cells["test_table[rigid]"] + cells["test_table[universal]"]] == ["rigid", "universal"]
+    assert {c["offload"] for c in cells["test_table[rigid]"]} == {"nvme"}
+    assert cells["test_table_other"] == [
+        dict(feature="resume",
+             stage="3",
+             precision="bf16",
+             offload="none",
+             checkpoint="-",
+             layout="none",
+             settings="defaults")
+    ]
+    assert [(c["stage"], c["layout"]) for c in cells["test_param[1-dp4->dp2]"]] == [("1", "dp4->dp2")]
+    assert [c["stage"] for c in cells["test_param[2-dp4->dp2]"]] == ["3"]

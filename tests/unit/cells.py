@@ -3,32 +3,35 @@
 """The compatibility-matrix cell each test validates, and the pytest plugin that records, per run, which
 cells passed, failed or were not run (test-results/cells.json; `tools/cells.py` prints the matrix).
 
-A test declares its cell with `@pytest.mark.cell(feature=..., stage=..., precision=..., offload=...,
-checkpoint=..., layout=...)` on the test, its class or a pytest.param (the closest wins). A parametrize
-argument named after an axis fills that axis, so one parametrized test covers several cells; a list value
-means the test covers each of those cells (e.g. checkpoint=["rigid", "universal"])."""
+A test's cell comes from unit/cell_manifest.py (keyed by test id, so the test files carry no fork-only marker and
+run unchanged under upstream's harness), then from a `@pytest.mark.cell(feature=..., stage=..., ...)` marker on
+the test, its class or a pytest.param (the closest wins; for tests that never leave this repository). A
+parametrize argument named after an axis fills that axis, so one parametrized test covers several cells; a list
+value means the test covers each of those cells (e.g. checkpoint=["rigid", "universal"])."""
 
 import itertools
-
 import json
 import os
 import time
 from pathlib import Path
 
+from unit.cell_manifest import CELLS
+
 AXES = ("feature", "stage", "precision", "offload", "checkpoint", "layout", "settings")
-# settings: the non-default DeepSpeed settings a test runs at (unit/simple_model.py SETTINGS); "defaults" is none.
+# settings: the non-default DeepSpeed settings a test runs at (unit/zero_tiny_models.py SETTINGS); "defaults" is none.
 DEFAULTS = dict(offload="none", checkpoint="-", layout="none", settings="defaults")
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "test-results"
 
 
-def cells_of(item):
+def cells_of(item, manifest=None):
     """[{axis: value}] of the cells a collected test validates ([] for a test without a cell)."""
+    entries = manifest_entries(item, CELLS if manifest is None else manifest)
     markers = list(item.iter_markers("cell"))  # closest first
-    if not markers:
+    if not entries and not markers:
         return []
     cell = dict(DEFAULTS)
-    for marker in reversed(markers):
-        cell.update(marker.kwargs)
+    for axes in entries + [marker.kwargs for marker in reversed(markers)]:
+        cell.update(axes)
     callspec = getattr(item, "callspec", None)
     if callspec is not None:
         cell.update({axis: value for axis, value in callspec.params.items() if axis in AXES})
@@ -37,6 +40,22 @@ def cells_of(item):
         raise ValueError(f"{item.nodeid}: cell marker has unknown axes {sorted(unknown)} / misses {missing}")
     choices = [cell[axis] if isinstance(cell[axis], (list, tuple)) else [cell[axis]] for axis in AXES]
     return [dict(zip(AXES, map(str, values))) for values in itertools.product(*choices)]
+
+
+def manifest_entries(item, manifest):
+    """The manifest's axes for this test, farthest key first: every key that is the test's id relative to
+    tests/ or a file, class, test or parametrization above it."""
+    test_id = id_under_tests(item)
+    keys = [key for key in manifest if test_id == key or test_id.startswith((key + "::", key + "["))]
+    return [manifest[key] for key in sorted(keys, key=len)]
+
+
+def id_under_tests(item):
+    """The test's id with its file relative to the tests/ folder (unit/...), as the manifest keys it."""
+    path, _, rest = item.nodeid.partition("::")
+    parts = Path(path).parts
+    path = "/".join(parts[parts.index("tests") + 1:]) if "tests" in parts else "/".join(parts)
+    return f"{path}::{rest}" if rest else path
 
 
 def results_file(deepspeed_tree):

@@ -12,9 +12,15 @@ the CPU accelerator, nccl on CUDA. The parent waits for every rank:
 - off the CPU, a test needs one device per rank on its (simulated) node, and is skipped, with the
   reason, where the node has fewer: two NCCL ranks on one device fail or hang (upstream skips alike).
 
-Per-test overrides: parametrize `world_size` (as upstream does), or mark the test with
-`@pytest.mark.world_size(n)` / `@pytest.mark.exec_timeout(seconds)`. `local_size` (default: the
-world size) simulates several nodes: LOCAL_RANK = rank % local_size.
+The tests use only what upstream's DistributedTest offers, so the same files run under upstream's
+tests/unit/common.py: `world_size` (class attribute, `@pytest.mark.world_size(n)` or a parametrize
+argument), a list of world sizes (the test runs once per entry, one launch after another, sharing
+its fixtures: e.g. 4 ranks save a checkpoint, then 2 load it), and the `exec_timeout` class attribute.
+
+Beyond upstream, for our own tests only: `@pytest.mark.exec_timeout(seconds)`, `local_size` (default:
+the world size; simulates several nodes, LOCAL_RANK = rank % local_size) and `pg_timeout_s` (default: a
+third of the test's timeout, 30 to 300 s, so that ranks stuck in a collective raise with their stack
+before the test is killed).
 """
 
 import datetime
@@ -57,30 +63,44 @@ class DistributedTest:
     world_size = 2
     local_size = None
     exec_timeout = DEFAULT_EXEC_TIMEOUT
-    # Process-group timeout (collectives that never complete raise after this long).
-    pg_timeout_s = 300
+    # Process-group timeout (collectives that never complete raise after this long); None: default_pg_timeout.
+    pg_timeout_s = None
     backend = None
 
     def __call__(self, request):
-        world_size = request.node.funcargs.get("world_size", None) or _marker_arg(request, "world_size",
-                                                                                  self.world_size)
-        local_size = self.local_size or world_size
-        reason = device_shortfall(*_accelerator_devices(), world_size, local_size)
-        if reason:
-            pytest.skip(reason)
+        world_sizes = _world_sizes(request, self.world_size)
+        local_size = self.local_size
+        for world_size in world_sizes:
+            reason = device_shortfall(*_accelerator_devices(), world_size, local_size or world_size)
+            if reason:
+                pytest.skip(reason)
         timeout = _marker_arg(request, "exec_timeout", self.exec_timeout)
         method = getattr(self, request.function.__name__)
         wanted = inspect.signature(method).parameters
         kwargs = {k: v for k, v in request.node.funcargs.items() if k in wanted}
-        spec = dict(module_file=str(request.path),
-                    class_name=type(self).__name__,
-                    method_name=request.function.__name__,
-                    kwargs=kwargs,
-                    world_size=world_size,
-                    local_size=local_size,
-                    backend=self.backend,
-                    pg_timeout_s=self.pg_timeout_s)
-        run_ranks(spec, timeout)
+        for world_size in world_sizes:  # one launch per entry, in order (upstream's world_size lists)
+            spec = dict(module_file=str(request.path),
+                        class_name=type(self).__name__,
+                        method_name=request.function.__name__,
+                        kwargs=kwargs,
+                        world_size=world_size,
+                        local_size=local_size or world_size,
+                        backend=self.backend,
+                        pg_timeout_s=self.pg_timeout_s or default_pg_timeout(timeout))
+            run_ranks(spec, timeout)
+
+
+def _world_sizes(request, default):
+    """The world sizes to launch, in order: a parametrize argument, else the marker, else the class attribute;
+    each may be one size or a list of them."""
+    sizes = request.node.funcargs.get("world_size", None) or _marker_arg(request, "world_size", default)
+    return list(sizes) if isinstance(sizes, (list, tuple)) else [sizes]
+
+
+def default_pg_timeout(exec_timeout):
+    """A third of the test's timeout, 30 to 300 s: a rank stuck in a collective raises, with its stack, before
+    the harness kills it."""
+    return int(min(300, max(30, exec_timeout // 3)))
 
 
 def _accelerator_devices():

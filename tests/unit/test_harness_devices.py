@@ -53,3 +53,18 @@ def test_enough_devices_start_the_ranks(monkeypatch):
     monkeypatch.setattr(common, "run_ranks", lambda spec, timeout: started.append(spec["world_size"]))
     _TwoRanks()(_request())
     assert started == [2]
+
+
+def test_a_world_size_list_launches_each_size_in_turn(monkeypatch):
+    """Upstream's idiom, kept: a list of world sizes runs the test once per entry, in order (e.g. 4 ranks save a
+    checkpoint that 2 ranks then load); the process group times out well before the test does."""
+    launched = []
+    monkeypatch.setattr(common, "_accelerator_devices", lambda: ("cpu", 1))
+    monkeypatch.setattr(
+        common, "run_ranks", lambda spec, timeout: launched.append(
+            (spec["world_size"], spec["local_size"], spec["pg_timeout_s"], timeout)))
+    _TwoRanks()(_request(funcargs=dict(world_size=[4, 2])))
+    timeout = _TwoRanks.exec_timeout
+    assert launched == [(4, 4, common.default_pg_timeout(timeout), timeout),
+                        (2, 2, common.default_pg_timeout(timeout), timeout)]
+    assert common.default_pg_timeout(600) == 200 and common.default_pg_timeout(60) == 30

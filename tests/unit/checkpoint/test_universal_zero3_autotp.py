@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from unit.common import DistributedTest, run_ranks
+from unit.common import DistributedTest
 from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, assert_one_format,
                                                      assert_restored_bitwise, assert_same_state, batches,
                                                      edit_state_file, full_state, make_config, new_engine,
@@ -35,15 +35,14 @@ def saved_mlp_run(save_dir, data):
     return saved, saved_steps, tag, reference_loss
 
 
-@pytest.mark.cell(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal")
 class TestZero3UniversalIntoAutoTP(DistributedTest):
     world_size = 2
 
     # DP2 -> TP2 from the folder as converted is the first stop of test_layout_round_trip.
     @pytest.mark.parametrize("tp_size, file_format", [
-        pytest.param(1, "converted", marks=pytest.mark.cell(layout="dp2->dp2")),
-        pytest.param(1, "bare_0198", marks=pytest.mark.cell(layout="dp2->dp2")),
-        pytest.param(2, "bare_0198", marks=pytest.mark.cell(layout="dp2->tp2")),
+        (1, "converted"),
+        (1, "bare_0198"),
+        (2, "bare_0198"),
     ])
     def test_restore_bitwise_and_resume(self, tmpdir, tp_size, file_format):
         """DP2 -> TP1 x DP2 and DP2 -> TP2, from the folder as converted and from the bare tensors
@@ -63,7 +62,6 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
         assert_restored_bitwise(resumed, saved, saved_steps)
         assert train(resumed, data[4:]) == pytest.approx(reference_loss, rel=1e-6)
 
-    @pytest.mark.cell(stage=1, layout="dp2->dp2")
     def test_zero1_loads_bare_tensor_folder(self, tmpdir):
         """The ZeRO-1/2 loader accepts state files holding a bare tensor, the form 0.19.8's converter
         writes for ZeRO-3 without TP, bit for bit. (The engine cannot load a ZeRO-3 folder into
@@ -83,7 +81,6 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
         assert_restored_bitwise(resumed, saved, saved_steps)
         assert train(resumed, data[4:]) == pytest.approx(reference_loss, rel=1e-6)
 
-    @pytest.mark.cell(layout="dp2->tp2")
     def test_hf_llama_restores_bitwise_under_autotp(self, tmpdir):
         """A tiny random Llama trained under ZeRO-3 DP2 restores bit for bit into AutoTP TP2, with
         AutoTP matching the layers itself."""
@@ -99,8 +96,6 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
         assert assert_restored_bitwise(resumed, saved, saved_steps) >= 14  # q/k/v/o, gate/up/down per layer
         assert train_lm(resumed, data[4:]) == pytest.approx(reference_loss, rel=1e-5)
 
-    @pytest.mark.cell(layout="dp2->tp2")
-    @pytest.mark.exec_timeout(300)
     def test_bad_folder_refused_on_every_rank(self, tmpdir):
         """Wrong element count, wrong shape, a missing state file, and a problem only one rank can
         see: every rank raises an error naming the parameter, the shapes and the folder, and the
@@ -167,22 +162,34 @@ class LayoutRoundTripPhases:
         assert train(engine, batches(5)[4:]) == pytest.approx(expected["loss"], rel=1e-6)
 
 
+PHASES = ("save_dp", "tp2", "back_to_dp")
+
+
+def next_phase(save_dir):
+    """The phase this launch runs: the first one not recorded as done in save_dir."""
+    done_file = os.path.join(save_dir, "phases_done")
+    done = open(done_file).read().split() if os.path.exists(done_file) else []
+    return PHASES[len(done)]
+
+
+def record_phase_done(save_dir, phase):
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "phases_done"), "a") as f:
+            f.write(phase + "\n")
+    dist.barrier()
+
+
 # At 4 ranks: DP4 -> TP2 x DP2 -> DP4, the layout change users make (about two minutes on 2 cores).
-@pytest.mark.cell(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal")
-@pytest.mark.parametrize("world_size", [
-    pytest.param(2, marks=pytest.mark.cell(layout="dp2->tp2->dp2")),
-    pytest.param(4, marks=pytest.mark.cell(layout="dp4->tp2xdp2->dp4")),
-])
-def test_layout_round_trip(tmpdir, world_size):
-    """DP -> TP2 -> DP through two conversions (DP2 -> TP2 -> DP2, DP4 -> TP2xDP2 -> DP4): bit for bit at each
-    stop, and after each the same loss as the run that did not stop."""
-    for phase in ("save_dp", "tp2", "back_to_dp"):
-        run_ranks(dict(module_file=__file__,
-                       class_name=LayoutRoundTripPhases.__name__,
-                       method_name=phase,
-                       kwargs=dict(save_dir=str(tmpdir)),
-                       world_size=world_size,
-                       local_size=world_size,
-                       backend=None,
-                       pg_timeout_s=300),
-                  timeout=300)
+class TestLayoutRoundTrip(DistributedTest):
+    exec_timeout = 300
+
+    # Three launches of the same world size, one per phase (the harness runs a list of world sizes in turn).
+    @pytest.mark.parametrize("world_size", [pytest.param([2] * 3, id="dp2"), pytest.param([4] * 3, id="dp4")])
+    def test_layout_round_trip(self, tmpdir, world_size):
+        """DP -> TP2 -> DP through two conversions (DP2 -> TP2 -> DP2, DP4 -> TP2xDP2 -> DP4): bit for bit at each
+        stop, and after each the same loss as the run that did not stop."""
+        save_dir = str(tmpdir)
+        phase = next_phase(save_dir)
+        getattr(LayoutRoundTripPhases(), phase)(save_dir)
+        record_phase_done(save_dir, phase)

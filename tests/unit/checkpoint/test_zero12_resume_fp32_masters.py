@@ -16,10 +16,10 @@ from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
                                                  check_refused_then_rebuilt, check_trainable_set_change, freeze,
                                                  make_config, masters, move_aside_on_rank, moments, remove_shards,
-                                                 rounding, save_in_world, shard_path, steps, to_universal,
+                                                 rounding, saves_checkpoint, shard_path, steps, to_universal,
                                                  truncate_on_rank)
 from unit.common import DistributedTest
-from unit.simple_model import TinyMLP, fixed_batch
+from unit.zero_tiny_models import TinyMLP, fixed_batch
 
 # The BF16_Optimizer wrapper: bf16 weights, fp32 gradient accumulation, ZeRO stage 1 (engine
 # _do_optimizer_sanity_check; stage 0 with these types is rejected unless pipeline-parallel).
@@ -71,11 +71,10 @@ def assert_masters(engine, expected, case=""):
         assert torch.equal(loaded[name], expected[name]), f"{case}: master {name}"
 
 
-@pytest.mark.cell(feature="resume", offload="none", layout="none")
 class TestZero12ResumeTable(DistributedTest):
     world_size = 2
+    exec_timeout = 300
 
-    @pytest.mark.exec_timeout(300)
     @pytest.mark.parametrize("checkpoint", ["rigid", "universal"])
     @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (2, "fp16"), (1, BF16_FP32_ACCUM),
                                                   (3, "fp16")])
@@ -106,13 +105,10 @@ class TestZero12ResumeTable(DistributedTest):
                 assert_fresh(engine)
 
 
-@pytest.mark.cell(feature="resume", offload="none", checkpoint="rigid", layout="none")
 class TestZero12ResumeWithoutShards(DistributedTest):
     world_size = 2
-    pg_timeout_s = 60
+    exec_timeout = 200
 
-    @pytest.mark.exec_timeout(200)
-    @pytest.mark.cell(checkpoint="rigid, shard missing on one rank")
     @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
     def test_missing_shards(self, tmpdir, stage, precision):
         """Rank 0's shard missing, then rank 1's: restoring the masters (with or without optimizer states) is
@@ -133,8 +129,6 @@ class TestZero12ResumeWithoutShards(DistributedTest):
         assert_masters(engine, rounded_to(saved_masters, precision))
         assert_fresh(engine)
 
-    @pytest.mark.exec_timeout(150)
-    @pytest.mark.cell(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank")
     def test_truncated_shard_on_one_rank(self, tmpdir):
         """Rank 1's shard cut in half: restoring the masters is refused on every rank before anything changes
         (instead of rank 0 waiting for rank 1), and a fresh-optimizer resume rebuilds them on every rank, as 0.19.8
@@ -147,12 +141,10 @@ class TestZero12ResumeWithoutShards(DistributedTest):
                                    rounding(saved_masters), 1)
 
 
-@pytest.mark.cell(feature="resume", offload="none", checkpoint="rigid", layout="trainable set")
 class TestZero12TrainableSetChange(DistributedTest):
     world_size = 2
-    pg_timeout_s = 60
+    exec_timeout = 200
 
-    @pytest.mark.exec_timeout(200)
     @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
     @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
     def test_trainable_set_change(self, tmpdir, stage, precision, direction):
@@ -177,11 +169,10 @@ def optimizer_side_state(engine):
     return dict(loss_scale=getattr(scaler, "cur_scale", None), clip_grad=getattr(optimizer, "clip_grad", None))
 
 
-@pytest.mark.cell(feature="resume", offload="none", checkpoint="rigid", layout="none")
 class TestOptimizerSideState(DistributedTest):
     world_size = 2
+    exec_timeout = 300
 
-    @pytest.mark.exec_timeout(300)
     @pytest.mark.parametrize("stage, precision", [(2, "fp16"), (3, "fp16"), (1, "bf16"), (1, BF16_FP32_ACCUM)])
     def test_only_a_full_resume_restores_it(self, tmpdir, stage, precision):
         """Saved with loss scale 2**8 and gradient_clipping 1.0, loaded into a run configured with 2**10 and 0.5:
@@ -217,39 +208,28 @@ class TestOptimizerSideState(DistributedTest):
         assert not problems, problems
 
 
-@pytest.fixture
-def dp4_checkpoint(tmp_path, stage):
-    save_in_world(tmp_path, world_size=4, stage=stage)
-    return str(tmp_path)
-
-
-@pytest.mark.cell(feature="resume", precision="bf16", offload="none", checkpoint="rigid", layout="dp4->dp2")
 class TestZero12ResumeDPChange(DistributedTest):
     world_size = 2
-    pg_timeout_s = 60
+    exec_timeout = 200
 
-    @pytest.mark.exec_timeout(200)
     @pytest.mark.parametrize("stage", [1, 2])
-    def test_dp_size_change(self, dp4_checkpoint, stage):
+    @pytest.mark.world_size([4, 2])
+    def test_dp_size_change(self, tmpdir, stage):
         """Saved by 4 ranks, loaded by 2: neither masters nor optimizer states can be restored rigidly; a
         fresh-optimizer resume rebuilds the masters from the bf16 module."""
+        dp4_checkpoint = str(tmpdir)
+        if saves_checkpoint(dp4_checkpoint, saved_by=4, stage=stage):
+            return
         saved_masters = torch.load(os.path.join(dp4_checkpoint, "saved_masters.pt"))
         check_refused_then_rebuilt(build(config_for(stage, "bf16"),
                                          seed=1), lambda: build(config_for(stage, "bf16"), seed=1), dp4_checkpoint,
                                    "DP world size of 4.*" + WAYS_OUT, rounding(saved_masters))
 
 
-@pytest.mark.cell(feature="resume",
-                  stage=1,
-                  precision="bf16",
-                  offload="none",
-                  checkpoint="rigid",
-                  layout="parameter_alignment")
 class TestZero12ResumeAlignmentChange(DistributedTest):
     world_size = 2
-    pg_timeout_s = 60
+    exec_timeout = 150
 
-    @pytest.mark.exec_timeout(150)
     def test_parameter_alignment_change(self, tmpdir):
         """Saved with zero_optimization.parameter_alignment=true (odd-sized parameters, so padded), loaded
         without: restoring the masters is rejected before anything changes, naming the ways out; a

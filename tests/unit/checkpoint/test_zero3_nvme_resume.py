@@ -13,12 +13,12 @@ import torch
 import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.zero.partition_parameters import Init
-from unit.checkpoint.convert import convert_to_universal, converter_args
+from unit.checkpoint.universal_conversion import convert_to_universal, converter_args
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_same, expect_rejected,
                                                  make_config, masters, move_aside_on_rank, moments, rounding, snapshot,
                                                  steps)
 from unit.common import DistributedTest
-from unit.simple_model import SETTINGS
+from unit.zero_tiny_models import SETTINGS
 
 # The big layer's weight is a sub-group of its own whose per-rank fp32 partition (768 * 768 / 2 elements,
 # 1.2 MB) reaches the aio minimum (1 MiB) and is swapped; the rest (bias and the small layer) form a second
@@ -169,29 +169,19 @@ def save_checkpoint(tmpdir, settings="defaults"):
 
 class TestZero3NVMeResume(DistributedTest):
     world_size = 2
+    exec_timeout = 300
 
-    @pytest.mark.exec_timeout(300)
-    @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid", layout="none")
     def test_module_only(self, tmpdir):
         """load_module_only=True rebuilds the fp32 masters of swapped and in-memory sub-groups from the loaded
         16-bit weights (the swapped ones through the swapper), with fresh moments and steps."""
         save_checkpoint(str(tmpdir))
         check_rows(MODULE_ONLY_ROWS, str(tmpdir), TAG, universal=False)
 
-    @pytest.mark.exec_timeout(300)
-    @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid", layout="none")
     @pytest.mark.parametrize("settings", list(SETTINGS))
     def test_resume_table(self, tmpdir, settings):
         save_checkpoint(str(tmpdir), settings)
         check_rows(RESUME_TABLE, str(tmpdir), TAG, universal=False, settings=settings)
 
-    @pytest.mark.exec_timeout(300)
-    @pytest.mark.cell(feature="resume",
-                      stage=3,
-                      precision="bf16",
-                      offload="nvme",
-                      checkpoint="universal (refused)",
-                      layout="none")
     def test_universal_refused_before_anything_changes(self, tmpdir):
         """Universal checkpoints do not support NVMe optimizer offload yet: converting an NVMe checkpoint and
         loading a universal one into an NVMe run both fail with an error that says so, the load with the engine
@@ -215,8 +205,6 @@ class TestZero3NVMeResume(DistributedTest):
             engine.load_checkpoint(plain_dir, tag=universal_tag)
         assert_same(snapshot(engine), before)
 
-    @pytest.mark.exec_timeout(300)
-    @pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", offload="nvme", checkpoint="rigid")
     def test_serial_load(self, tmpdir):
         """zero_optimization.pipeline_loading_checkpoint at the default persistence threshold: the shard load
         runs one rank at a time, so it must reach no collective (the persistent parameters are gathered once
@@ -225,8 +213,6 @@ class TestZero3NVMeResume(DistributedTest):
         rows = [row for row in RESUME_TABLE if row[1] is None] + MODULE_ONLY_ROWS[:1]
         check_rows(rows, str(tmpdir), TAG, universal=False, pipeline_loading_checkpoint=True)
 
-    @pytest.mark.exec_timeout(300)
-    @pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid (refused)")
     def test_unusable_offload_folder_refused_before_anything_changes(self, tmpdir):
         """Every mode reads this rank's offloaded_tensors/: swap files named for other parameter ids (another
         ZeRO-3 model was built first in the process), or rank 1's folder missing, are refused on every rank

@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
-from unit.checkpoint.zero_resume_helpers import (checkpoint_saved_by, TAG, make_config, make_engine, masters,
-                                                 to_universal, train_and_save)
+from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, saves_checkpoint,
+                                                 simulate_nodes, to_universal, train_and_save)
 from unit.common import DistributedTest
-from unit.simple_model import SETTINGS
-
-PG_TIMEOUT_S = 30
+from unit.zero_tiny_models import SETTINGS
 
 
 def serial_config(universal=False, settings="defaults"):
@@ -38,18 +36,14 @@ def rigid_and_universal_roundtrip(tmpdir, settings="defaults"):
         assert_masters_equal(engine, saved_masters)
 
 
-@pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", checkpoint=["rigid", "universal"])
 class TestSerialLoadOneNode(DistributedTest):
     world_size = 2
-    pg_timeout_s = PG_TIMEOUT_S
+    exec_timeout = 150
 
-    @pytest.mark.exec_timeout(150)
     @pytest.mark.parametrize("settings", list(SETTINGS))
     def test_rigid_and_universal(self, tmpdir, settings):
         rigid_and_universal_roundtrip(tmpdir, settings)
 
-    @pytest.mark.exec_timeout(150)
-    @pytest.mark.cell(checkpoint="rigid")
     @pytest.mark.parametrize("failing_rank", [0, 1])
     def test_failure_inside_the_chain_fails_every_rank(self, tmpdir, failing_rank):
         """A rank whose shard load fails inside the token chain (here: reading it raises OSError) raises its own
@@ -71,32 +65,25 @@ class TestSerialLoadOneNode(DistributedTest):
             engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=True)
 
 
-dp4_checkpoint = checkpoint_saved_by(4)
-
-
-@pytest.mark.cell(feature="serial-load", stage=3, precision="bf16", checkpoint="rigid", layout="dp4->dp2")
 class TestSerialLoadDPSizeChange(DistributedTest):
     world_size = 2
-    pg_timeout_s = PG_TIMEOUT_S
+    exec_timeout = 120
 
-    @pytest.mark.exec_timeout(120)
-    def test_dp_size_change_raises_on_every_rank(self, dp4_checkpoint):
+    @pytest.mark.world_size([4, 2])
+    def test_dp_size_change_raises_on_every_rank(self, tmpdir):
+        dp4_checkpoint = str(tmpdir)
+        if saves_checkpoint(dp4_checkpoint, saved_by=4):
+            return
         engine = make_engine(serial_config(), seed=1)
         with pytest.raises(ZeRORuntimeException, match="DP world size of 4"):
             engine.load_checkpoint(dp4_checkpoint, tag=TAG, load_optimizer_states=True)
 
 
-@pytest.mark.cell(feature="serial-load",
-                  stage=3,
-                  precision="bf16",
-                  checkpoint=["rigid", "universal"],
-                  layout="none, 2 nodes x 2 ranks")
 class TestSerialLoadTwoNodes(DistributedTest):
     """4 ranks as 2 nodes x 2 local ranks: each node runs its own token chain."""
     world_size = 4
-    local_size = 2
-    pg_timeout_s = PG_TIMEOUT_S
+    exec_timeout = 200
 
-    @pytest.mark.exec_timeout(200)
     def test_rigid_and_universal(self, tmpdir):
+        simulate_nodes(ranks_per_node=2)
         rigid_and_universal_roundtrip(tmpdir)

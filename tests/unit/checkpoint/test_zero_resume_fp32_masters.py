@@ -9,14 +9,14 @@ import os
 import pytest
 import torch
 
-from unit.checkpoint.zero_resume_helpers import (checkpoint_saved_by, RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT,
-                                                 assert_fresh, assert_same, check_refused_then_rebuilt,
-                                                 check_trainable_set_change, expect_rejected, make_config, make_engine,
-                                                 masters, move_aside_on_rank, moments, remove_shards, rounding,
-                                                 shard_path, steps, to_universal, train, train_and_save,
-                                                 truncate_on_rank)
+from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, WAYS_OUT, assert_fresh, assert_same,
+                                                 check_refused_then_rebuilt, check_trainable_set_change,
+                                                 expect_rejected, make_config, make_engine, masters,
+                                                 move_aside_on_rank, moments, remove_shards, rounding,
+                                                 saves_checkpoint, shard_path, steps, to_universal, train,
+                                                 train_and_save, truncate_on_rank)
 from unit.common import DistributedTest
-from unit.simple_model import SETTINGS
+from unit.zero_tiny_models import SETTINGS
 
 
 def check_resume_table(config, save_dir, tag, saved_masters, saved_moments):
@@ -40,11 +40,10 @@ def check_resume_table(config, save_dir, tag, saved_masters, saved_moments):
             assert_fresh(engine)
 
 
-@pytest.mark.cell(feature="resume", stage=3, precision="bf16")
 class TestZero3ResumeTable(DistributedTest):
     world_size = 2
+    exec_timeout = 240
 
-    @pytest.mark.exec_timeout(240)
     @pytest.mark.parametrize("settings", list(SETTINGS))
     @pytest.mark.parametrize("checkpoint", ["rigid", "universal"])
     def test_resume_table(self, tmpdir, checkpoint, settings):
@@ -58,26 +57,22 @@ class TestZero3ResumeTable(DistributedTest):
                            saved_masters, saved_moments)
 
 
-dp4_checkpoint = checkpoint_saved_by(4)
-
-
-@pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid")
 class TestZero3ResumeRejected(DistributedTest):
     world_size = 2
-    pg_timeout_s = 60
+    exec_timeout = 200
 
-    @pytest.mark.cell(layout="dp4->dp2")
-    @pytest.mark.exec_timeout(200)
-    def test_dp_size_change(self, dp4_checkpoint):
+    @pytest.mark.world_size([4, 2])
+    def test_dp_size_change(self, tmpdir):
         """Saved by 4 ranks, loaded by 2: masters and optimizer states cannot be restored rigidly; a
         fresh-optimizer resume rebuilds the masters from the 16-bit weights (consolidated from every shard)."""
+        dp4_checkpoint = str(tmpdir)
+        if saves_checkpoint(dp4_checkpoint, saved_by=4):
+            return
         saved_masters = torch.load(os.path.join(dp4_checkpoint, "saved_masters.pt"))
         check_refused_then_rebuilt(make_engine(make_config(3, "bf16"),
                                                seed=1), lambda: make_engine(make_config(3, "bf16"), seed=1),
                                    dp4_checkpoint, "DP world size of 4.*" + WAYS_OUT, rounding(saved_masters))
 
-    @pytest.mark.exec_timeout(200)
-    @pytest.mark.cell(checkpoint="rigid, shard missing on one rank")
     def test_missing_shard_of_one_rank(self, tmpdir):
         """Rank 0's shard missing, then rank 1's: the rank that lacks it refuses, and so does the other."""
         save_dir = str(tmpdir)
@@ -93,8 +88,6 @@ class TestZero3ResumeRejected(DistributedTest):
                                 load_optimizer_states=load_optimizer_states)
             put_back()
 
-    @pytest.mark.exec_timeout(200)
-    @pytest.mark.cell(checkpoint="rigid, truncated shard on one rank")
     def test_truncated_shard_on_one_rank(self, tmpdir):
         """Rank 1's shard cut in half: every rank refuses before anything changes, none waits for rank 1."""
         save_dir = str(tmpdir)
@@ -108,17 +101,17 @@ class TestZero3ResumeRejected(DistributedTest):
                             refusing_rank=1,
                             load_optimizer_states=load_optimizer_states)
 
-    @pytest.mark.cell(layout="trainable set")
-    @pytest.mark.exec_timeout(200)
     @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
     def test_trainable_set_change(self, tmpdir, direction):
         check_trainable_set_change(str(tmpdir), make_config(3, "bf16"), make_engine, direction)
 
-    @pytest.mark.cell(layout="dp4->dp2")
-    @pytest.mark.exec_timeout(200)
-    def test_dp_size_change_with_a_missing_shard(self, dp4_checkpoint):
+    @pytest.mark.world_size([4, 2])
+    def test_dp_size_change_with_a_missing_shard(self, tmpdir):
         """Saved by 4 ranks, loaded by 2, saved rank 3's shard gone: the rebuild would consolidate every shard, so
         every mode is refused on every rank before anything changes."""
+        dp4_checkpoint = str(tmpdir)
+        if saves_checkpoint(dp4_checkpoint, saved_by=4):
+            return
         engine = make_engine(make_config(3, "bf16"), seed=1)
         put_back = move_aside_on_rank(shard_path(dp4_checkpoint, 3), 0)
         for kwargs in (dict(load_optimizer_states=False), dict(load_optimizer_states=False,
@@ -128,18 +121,17 @@ class TestZero3ResumeRejected(DistributedTest):
         put_back()
 
 
-dp2_checkpoint = checkpoint_saved_by(2)
-
-
-@pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid", layout="dp2->dp4")
 class TestZero3ResumeAtLargerDP(DistributedTest):
     world_size = 4
-    pg_timeout_s = 60
+    exec_timeout = 300
 
-    @pytest.mark.exec_timeout(300)
-    def test_refused_alike_on_every_rank(self, dp2_checkpoint):
+    @pytest.mark.world_size([2, 4])
+    def test_refused_alike_on_every_rank(self, tmpdir):
         """Saved by 2 ranks, loaded by 4: ranks 2 and 3 have no model-states file. Every mode is refused on every
         rank before anything changes, naming the universal checkpoint as the way out."""
+        dp2_checkpoint = str(tmpdir)
+        if saves_checkpoint(dp2_checkpoint, saved_by=2):
+            return
         engine = make_engine(make_config(3, "bf16"), seed=1)
         rank = torch.distributed.get_rank()
         if rank >= 2:  # its own reason
@@ -150,11 +142,10 @@ class TestZero3ResumeAtLargerDP(DistributedTest):
             expect_rejected(engine, dp2_checkpoint, match + ".*ds_to_universal", **kwargs)
 
 
-@pytest.mark.cell(feature="resume", stage=3, precision="bf16", checkpoint="rigid")
 class TestZero3ResumeOlderTag(DistributedTest):
     world_size = 2
+    exec_timeout = 200
 
-    @pytest.mark.exec_timeout(200)
     def test_rebuilding_loads_the_named_tag(self, tmpdir):
         """Modes that consolidate the module from every shard (module-only, masters rebuilt) read the tag asked for,
         not the one `latest` names."""
@@ -171,11 +162,10 @@ class TestZero3ResumeOlderTag(DistributedTest):
             assert_same(masters(resumed), rounding(saved_masters), str(kwargs))
 
 
-@pytest.mark.cell(feature="resume", stage=3, precision="bf16", offload="none", checkpoint="universal", layout="none")
 class TestZero3UniversalModuleOnly(DistributedTest):
     world_size = 2
+    exec_timeout = 150
 
-    @pytest.mark.exec_timeout(150)
     def test_module_only_reads_no_rigid_shards(self, tmpdir):
         """A universal module-only load reads the universal folder only: the rigid shards named in `latest`
         are deleted after the conversion, and the masters still come out as the bf16 rounding of the saved."""

@@ -12,8 +12,8 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import PARAM
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from unit.checkpoint.convert import convert_to_universal
-from unit.simple_model import zero3_config
+from unit.checkpoint.universal_conversion import convert_to_universal
+from unit.zero_tiny_models import zero3_config
 
 HIDDEN = 16
 MOMENTS = ("exp_avg", "exp_avg_sq")

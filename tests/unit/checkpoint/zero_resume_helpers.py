@@ -13,9 +13,8 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from unit.checkpoint.convert import convert_to_universal
-from unit.common import run_ranks
-from unit.simple_model import TinyMLP, fixed_batch, zero3_config
+from unit.checkpoint.universal_conversion import convert_to_universal
+from unit.zero_tiny_models import TinyMLP, fixed_batch, zero3_config
 
 TAG = "ckpt"
 SAVED_STEPS = 3
@@ -180,38 +179,33 @@ def assert_same(a, b, path="engine"):
         assert a == b, path
 
 
-class _SaveInOtherWorld:
-    """Run by save_in_world(): trains and saves in a world of a different size."""
-
-    def save(self, save_dir, stage, precision):
-        saved_masters, _ = train_and_save(make_config(stage, precision), save_dir)
-        if dist.get_rank() == 0:
-            torch.save(saved_masters, os.path.join(save_dir, "saved_masters.pt"))
-
-
-def save_in_world(save_dir, world_size, stage=3, precision="bf16", timeout=420):
-    """Save a checkpoint from `world_size` ranks (spawned now, before the test's own ranks)."""
-    spec = dict(module_file=__file__,
-                class_name="_SaveInOtherWorld",
-                method_name="save",
-                kwargs=dict(save_dir=str(save_dir), stage=stage, precision=precision),
-                world_size=world_size,
-                local_size=world_size,
-                backend=None,
-                pg_timeout_s=60)
-    run_ranks(spec, timeout)
+def saves_checkpoint(save_dir, saved_by, stage=3, precision="bf16"):
+    """For a test that runs at two world sizes in turn (`@pytest.mark.world_size([saved_by, n])`, upstream's
+    DistributedTest idiom): in the world of `saved_by` ranks, train, save TAG and the saved masters
+    (saved_masters.pt) in save_dir and return True (the test returns); in the other world return False, and
+    the test loads what the first world saved."""
+    if dist.get_world_size() != saved_by:
+        return False
+    saved_masters, _ = train_and_save(make_config(stage, precision), save_dir)
+    if dist.get_rank() == 0:
+        torch.save(saved_masters, os.path.join(save_dir, "saved_masters.pt"))
+    dist.barrier()
+    return True
 
 
-def checkpoint_saved_by(world_size):
-    """A fixture: the path of a ZeRO-3 bf16 checkpoint saved (TAG) by `world_size` ranks, for a test run at another
-    size (ZeRO-3 names each rank's model file by its data-parallel rank)."""
-
-    @pytest.fixture
-    def saved_checkpoint(tmp_path):
-        save_in_world(tmp_path, world_size=world_size)
-        return str(tmp_path)
-
-    return saved_checkpoint
+def simulate_nodes(ranks_per_node):
+    """Make this rank one of `ranks_per_node` local ranks of its node (LOCAL_RANK = rank % ranks_per_node), before
+    any engine reads the layout: several nodes on one machine, which only the CPU accelerator can run (elsewhere
+    each local rank binds its own device, so ranks of different simulated nodes would share one)."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("simulated nodes share devices: CPU accelerator only")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank % ranks_per_node),
+                      LOCAL_SIZE=str(ranks_per_node),
+                      LOCAL_WORLD_SIZE=str(ranks_per_node),
+                      CROSS_RANK=str(rank // ranks_per_node),
+                      CROSS_SIZE=str(world_size // ranks_per_node))
 
 
 def rounding(tensors, dtype=torch.bfloat16):

@@ -18,7 +18,7 @@ import deepspeed
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from unit.common import DistributedTest
-from unit.simple_model import SETTINGS, TinyMLP, fixed_batch, model_dtype, zero3_config
+from unit.zero_tiny_models import SETTINGS, TinyMLP, fixed_batch, model_dtype, zero3_config
 
 ALIASED = ["fp32", "autocast", "bf16_master"]
 NOT_ALIASED = ["bf16"]
@@ -97,7 +97,6 @@ def assert_snapshots_equal(actual, expected, where):
                 assert a == e, f"{where}: {key}[{i}] is {a}, expected {e}"
 
 
-@pytest.mark.cell(feature="master-alias", stage=3)
 class TestMasterPartitionIdentity(DistributedTest):
     world_size = 2
 
@@ -116,7 +115,6 @@ class TestMasterPartitionIdentity(DistributedTest):
         train_step(engine, precision)
         assert_not_aliased(engine.optimizer)
 
-    @pytest.mark.cell(offload="cpu")
     @pytest.mark.parametrize("precision", ["fp32", "bf16"])
     def test_separate_master_with_optimizer_offload(self, precision):
         engine = make_engine(precision, zero3_config(precision, offload_optimizer={"device": "cpu"}))
@@ -141,7 +139,6 @@ def keep_separate_master_copies(monkeypatch):
     monkeypatch.setattr(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", create_separate_copies)
 
 
-@pytest.mark.cell(feature="master-alias", stage=3)
 class TestAliasNumericalParity(DistributedTest):
     world_size = 2
 
@@ -199,7 +196,6 @@ def offload_with_fused_adam(precision, settings="defaults"):
     return config
 
 
-@pytest.mark.cell(feature="master-alias", stage=3, offload="offload_states")
 class TestOffloadReloadRoundTrips(DistributedTest):
     world_size = 2
 
@@ -245,7 +241,6 @@ def assert_offloaded_weights_moved_together(optimizer, precision, include, pin_m
             assert offloaded_storage == storage_ptr(optimizer.lp_param_contiguous_pin_buffer)
 
 
-@pytest.mark.cell(feature="master-alias", stage=3)
 class TestGatheredParametersEdits(DistributedTest):
     """Edits made under GatheredParameters(modifier_rank=0) reach the partitions. Where the master aliases the
     partition they are the master and persist through step(); with fp32 masters for 16-bit weights the next

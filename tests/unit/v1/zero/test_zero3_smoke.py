@@ -9,7 +9,7 @@ import torch
 
 import deepspeed
 from unit.common import DistributedTest
-from unit.simple_model import TinyMLP, fixed_batch, model_dtype, zero3_config
+from unit.zero_tiny_models import TinyMLP, fixed_batch, model_dtype, zero3_config
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

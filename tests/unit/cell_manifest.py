@@ -1,0 +1,71 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""The compatibility-matrix cell each test validates (unit/cells.py records them per run; tools/cells.py prints
+the matrix). Kept here, not as markers in the test files, so that those files run unchanged under upstream's
+harness, which has no `cell` marker.
+
+A key is a test id relative to tests/ (a file, file::Class, file::Class::test or file::Class::test[params]); it
+applies to every test under it, and a longer key overrides a shorter one. A parametrize argument named after an
+axis (stage, precision, checkpoint, settings, ...) fills that axis; a list value means the test covers each of
+those cells (e.g. checkpoint=["rigid", "universal"]). Axes left out take unit/cells.py's DEFAULTS."""
+
+ALIAS = "unit/v1/zero/test_zero3_master_alias.py"
+SERIAL = "unit/checkpoint/test_zero3_serial_load.py"
+ZERO3 = "unit/checkpoint/test_zero_resume_fp32_masters.py"
+AUTOTP = "unit/checkpoint/test_universal_zero3_autotp.py"
+ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
+NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
+
+# yapf: disable
+CELLS = {
+    # 0001: master and weight partitions shared
+    ALIAS: dict(feature="master-alias", stage=3),
+    f"{ALIAS}::TestMasterPartitionIdentity::test_separate_master_with_optimizer_offload": dict(offload="cpu"),
+    f"{ALIAS}::TestOffloadReloadRoundTrips": dict(offload="offload_states"),
+    # 0002: serial checkpoint load
+    SERIAL: dict(feature="serial-load", stage=3, precision="bf16"),
+    f"{SERIAL}::TestSerialLoadOneNode": dict(checkpoint=["rigid", "universal"]),
+    f"{SERIAL}::TestSerialLoadOneNode::test_failure_inside_the_chain_fails_every_rank": dict(checkpoint="rigid"),
+    f"{SERIAL}::TestSerialLoadDPSizeChange": dict(checkpoint="rigid", layout="dp4->dp2"),
+    f"{SERIAL}::TestSerialLoadTwoNodes": dict(checkpoint=["rigid", "universal"], layout="none, 2 nodes x 2 ranks"),
+    # 0003: ZeRO-3 fresh-optimizer resume
+    ZERO3: dict(feature="resume", stage=3, precision="bf16"),
+    f"{ZERO3}::TestZero3ResumeRejected": dict(checkpoint="rigid"),
+    f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change": dict(layout="dp4->dp2"),
+    f"{ZERO3}::TestZero3ResumeRejected::test_missing_shard_of_one_rank":
+        dict(checkpoint="rigid, shard missing on one rank"),
+    f"{ZERO3}::TestZero3ResumeRejected::test_truncated_shard_on_one_rank":
+        dict(checkpoint="rigid, truncated shard on one rank"),
+    f"{ZERO3}::TestZero3ResumeRejected::test_trainable_set_change": dict(layout="trainable set"),
+    f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change_with_a_missing_shard": dict(layout="dp4->dp2"),
+    f"{ZERO3}::TestZero3ResumeAtLargerDP": dict(checkpoint="rigid", layout="dp2->dp4"),
+    f"{ZERO3}::TestZero3ResumeOlderTag": dict(checkpoint="rigid"),
+    f"{ZERO3}::TestZero3UniversalModuleOnly": dict(offload="none", checkpoint="universal", layout="none"),
+    # 0004, 0005: universal checkpoints under AutoTP
+    AUTOTP: dict(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal"),
+    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[1-converted]": dict(layout="dp2->dp2"),
+    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[1-bare_0198]": dict(layout="dp2->dp2"),
+    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[2-bare_0198]": dict(layout="dp2->tp2"),
+    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_zero1_loads_bare_tensor_folder": dict(stage=1, layout="dp2->dp2"),
+    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_hf_llama_restores_bitwise_under_autotp": dict(layout="dp2->tp2"),
+    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_bad_folder_refused_on_every_rank": dict(layout="dp2->tp2"),
+    f"{AUTOTP}::TestLayoutRoundTrip::test_layout_round_trip[dp2]": dict(layout="dp2->tp2->dp2"),
+    f"{AUTOTP}::TestLayoutRoundTrip::test_layout_round_trip[dp4]": dict(layout="dp4->tp2xdp2->dp4"),
+    # 0006: ZeRO-1/2 fresh-optimizer resume
+    ZERO12: dict(feature="resume", offload="none", checkpoint="rigid", layout="none"),
+    f"{ZERO12}::TestZero12ResumeWithoutShards::test_missing_shards":
+        dict(checkpoint="rigid, shard missing on one rank"),
+    f"{ZERO12}::TestZero12ResumeWithoutShards::test_truncated_shard_on_one_rank":
+        dict(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank"),
+    f"{ZERO12}::TestZero12TrainableSetChange": dict(layout="trainable set"),
+    f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
+    f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
+    # 0007: ZeRO-3 NVMe resume
+    NVME: dict(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid"),
+    f"{NVME}::TestZero3NVMeResume::test_universal_refused_before_anything_changes":
+        dict(checkpoint="universal (refused)"),
+    f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
+    f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
+        dict(checkpoint="rigid (refused)"),
+}
+# yapf: enable
