@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean
+.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean upstream-tests
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -76,6 +76,17 @@ bench: setup pristine
 # The validated-cells matrix from the last test run (markdown; tools/cells.py --help).
 cells:
 	$(VPY) tools/cells.py
+
+# Upstream DeepSpeed's own test files for the areas the series touches, on pristine 0.19.8 and on the fork,
+# compared (tools/upstream_tests.py --help). UPSTREAM: an upstream DeepSpeed checkout or its git directory.
+UPSTREAM_TESTS_ARGS ?=
+upstream-tests: setup pristine $(VENV)/.upstream-tests-stamp
+	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-tests UPSTREAM=DIR (an upstream DeepSpeed checkout or git dir)"; exit 2; }
+	$(VPY) tools/upstream_tests.py --upstream $(UPSTREAM) $(UPSTREAM_TESTS_ARGS)
+
+$(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-stamp
+	$(VPY) -m pip install --quiet -r requirements/upstream-tests.txt
+	touch $@
 
 clean:
 	rm -rf $(VENV) fork pristine .cache
