@@ -5,11 +5,12 @@
 
 Upstream's tests are not in the sdist, so they come from an upstream checkout or git directory (--upstream):
 its tests/ is extracted into a scratch folder (.cache/upstream-tests/). Each chosen file runs in its own pytest
-process, once with pristine/ on PYTHONPATH and once with the fork, each under `flock /tmp/cpu.lock` (the
-machine's 2 cores are shared) and with a per-test timeout. The result is a per-file table and the list of tests
-that pass on pristine and fail on the fork: each of those is either a fork defect or a behaviour a patch changes
-on purpose, whose updated test lives in patches/upstream-tests/NNNN.diff: those diffs are applied to a second
-copy, where the fork's failing tests of the files they change run again. Results are kept in
+process, once with pristine/ on PYTHONPATH and once with the fork, with a per-test timeout; the CPU lock
+/tmp/cpu.lock (flock; the machine's 2 cores are shared) is taken for one file at a time, both trees. The result
+is a per-file table and the list of tests that pass on pristine and fail on the fork: each of those is either a
+fork defect or a behaviour a patch changes on purpose, whose updated test lives in
+patches/upstream-tests/NNNN.diff: those diffs are applied to a second copy, where the fork's failing tests of the
+files they change run again. Results are kept in
 .cache/upstream-tests/results.json (per-test JSON lines and pytest output beside it).
 
     make upstream-tests UPSTREAM=/path/to/DeepSpeed          # or a git directory (bare) of it
@@ -19,6 +20,8 @@ copy, where the fork's failing tests of the files they change run again. Results
 """
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -53,7 +56,13 @@ DEFAULT_FILES = [  # smallest first, so that a run stopped early has covered the
     "unit/checkpoint/test_universal_checkpoint.py",
 ]
 # Ops the files load, built once per tree before any test's timeout runs (async_io alone takes minutes).
-OPS = ["ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder"]
+OPS = {
+    "ShareMemCommBuilder": "deepspeed_shm_comm",
+    "FusedAdamBuilder": "fused_adam",
+    "CPUAdamBuilder": "cpu_adam",
+    "PinMemoryBuilder": "pin_memory",
+    "AsyncIOBuilder": "async_io"
+}
 OUTCOMES = ("passed", "failed", "skipped", "error", "timeout")
 
 
@@ -112,12 +121,24 @@ def tree_env(tree, log, timeout):
 
 
 def build_ops(tree):
+    cache = Path(extensions_dir(TREES[tree]))
+    if all((cache / name / f"{name}.so").exists() for name in OPS.values()):
+        return  # built: no need to wait for the CPU lock
     code = ("import sys; from deepspeed.accelerator import get_accelerator as a\n"
             "for n in sys.argv[1:]:\n"
             "    b = a().create_op_builder(n)\n"
             "    if b is not None and b.is_compatible(verbose=False): b.load(verbose=False)\n")
     env = tree_env(tree, os.devnull, 0)
-    subprocess.run(["flock", LOCK, PY, "-c", code] + OPS, env=env, check=True)
+    with cpu_lock():
+        subprocess.run([PY, "-c", code] + list(OPS), env=env, check=True)
+
+
+@contextlib.contextmanager
+def cpu_lock():
+    """The lock that flock(1) takes on /tmp/cpu.lock: other runs on this machine wait while it is held."""
+    with open(LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def outcomes_from_log(log):
@@ -151,7 +172,7 @@ def run_file(label, scratch, test_file, out, timeout, only=None):
     while True:
         done = outcomes_from_log(log)
         # Upstream's addopts deselect markers (e.g. `sequential`, the NVMe file): run every test of the file.
-        cmd = ["flock", LOCK, PY, "-m", "pytest"] + (only or [test_file])
+        cmd = [PY, "-m", "pytest"] + (only or [test_file])
         cmd += ["-p", "upstream_tests_plugin", "-p", "no:cacheprovider", "-o", "addopts=", "-q"]
         cmd += [f"--timeout={timeout}", "--timeout-method=thread"]
         cmd += [f"--deselect={nodeid}" for nodeid in done]
@@ -236,6 +257,24 @@ def report(all_results, files, trees, meta):
             print(f"  {f}: {counts(res)}")
 
 
+def run_tree(args, state, tree, scratch, test_file):
+    only = None
+    # The updated copy only needs to fix the fork's failures; with --quick, pristine only needs to tell which of
+    # them are the fork's.
+    if tree == "fork+updated" or (args.quick and tree == "pristine"):
+        fork = state["results"].get("fork", {}).get(test_file, {})
+        only = sorted(n for n, r in fork.items() if r["outcome"] != "passed" and "::" in n)
+        if not only:
+            return
+    print(f"{tree}: {test_file}" + (f" ({len(only)} tests the fork does not pass)" if only else ""), flush=True)
+    res = run_file(tree, scratch, test_file, args.out, args.timeout, only)
+    state["results"].setdefault(tree, {})[test_file] = res
+    if tree == "pristine":  # the files whose pristine totals cover only the fork's failures
+        quick = set(state["meta"].get("quick", [])) - {test_file}
+        state["meta"]["quick"] = sorted(quick | ({test_file} if only else set()))
+    print(f"  {counts(res)}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--upstream", type=Path, help="an upstream DeepSpeed checkout or git directory")
@@ -271,35 +310,21 @@ def main():
         "quick": state["meta"].get("quick", []),
         "files": known + [f for f in args.files if f not in known]
     }
-    # File by file, both trees in turn, so that a run stopped early still compares the files it ran.
     changed = []
     if args.updated and "fork" in args.trees:
         extract_tests(args.upstream.resolve(), args.out / "tests-updated")
         changed = updated_files(apply_updates(args.out / "tests-updated"))
-    runs = []
-    for f in args.files:
-        runs += [(tree, args.out / "tests-upstream", f) for tree in sorted(args.trees)]  # fork first (--quick)
-        if f in changed:
-            runs.append(("fork+updated", args.out / "tests-updated", f))
     for tree in args.trees:
         build_ops(tree)
-    for tree, scratch, test_file in runs:
-        only = None
-        # The updated copy only needs to fix the fork's failures; with --quick, pristine only needs to tell which
-        # of them are the fork's.
-        if tree == "fork+updated" or (args.quick and tree == "pristine"):
-            fork = state["results"].get("fork", {}).get(test_file, {})
-            only = sorted(n for n, r in fork.items() if r["outcome"] != "passed" and "::" in n)
-            if not only:
-                continue
-        print(f"{tree}: {test_file}" + (f" ({len(only)} tests the fork does not pass)" if only else ""), flush=True)
-        res = run_file(tree, scratch, test_file, args.out, args.timeout, only)
-        state["results"].setdefault(tree, {})[test_file] = res
-        if tree == "pristine":  # the files whose pristine totals cover only the fork's failures
-            quick = set(state["meta"].get("quick", [])) - {test_file}
-            state["meta"]["quick"] = sorted(quick | ({test_file} if only else set()))
-        saved.write_text(json.dumps(state, indent=1))  # after each file: a partial run still reports
-        print(f"  {counts(res)}", flush=True)
+    # File by file, both trees in turn, so that a run stopped early still compares the files it ran.
+    for test_file in args.files:
+        runs = [(tree, args.out / "tests-upstream") for tree in sorted(args.trees)]  # fork first (--quick)
+        if test_file in changed:
+            runs.append(("fork+updated", args.out / "tests-updated"))
+        with cpu_lock():
+            for tree, scratch in runs:
+                run_tree(args, state, tree, scratch, test_file)
+                saved.write_text(json.dumps(state, indent=1))  # after each file: a partial run still reports
     report(state["results"], state["meta"]["files"], list(state["results"]), state["meta"])
 
 
