@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean upstream-tests
+.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean upstream-tests branches
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -87,6 +87,14 @@ upstream-tests: setup pristine $(VENV)/.upstream-tests-stamp
 $(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-stamp
 	$(VPY) -m pip install --quiet -r requirements/upstream-tests.txt
 	touch $@
+
+# One branch per patch, stacked in series order, in an upstream DeepSpeed checkout, each the patch with its tests and
+# its update of upstream's tests, the message being the pull request's description (README, "Send a patch
+# upstream"). BASE: the upstream commit the first branch starts from (default the checkout's HEAD); FORCE=1 rewrites
+# the branches of a previous run.
+branches: venv
+	@test -n "$(UPSTREAM)" || { echo "usage: make branches UPSTREAM=DIR [BASE=REF] [FORCE=1] (an upstream DeepSpeed checkout)"; exit 2; }
+	$(VPY) $(PATCHES) branches $(UPSTREAM) $(if $(BASE),--base $(BASE)) $(if $(FORCE),--force)
 
 clean:
 	rm -rf $(VENV) fork pristine .cache

@@ -10,6 +10,10 @@ in order, in patches/series. Upstream files are never committed: they are materi
   export    write the commits after `upstream` back to patches/ (format-patch) and patches/series
   check     the series applies cleanly to pristine upstream, and fork/ holds nothing unexported
   pristine  unpack upstream, unpatched, into pristine/ (for A/B runs: PYTHONPATH=pristine)
+  branches  in a checkout of upstream DeepSpeed, write one branch per patch, stacked in series order: the patch
+            commit with its tests (patches/tests.toml, plus the unit.* helpers they import) at upstream's paths
+            and its update of upstream's tests (patches/upstream-tests/NNNN.diff), the message being the pull
+            request's description without fork-only lines
 
 Each command takes --fork / --patches so the tests can run it on scratch copies.
 """
@@ -68,21 +72,28 @@ def load_toml(path):
 
 TOML_TABLE = re.compile(r'\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?')
 TOML_STRING = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*"([^"\\]*)"\s*(#.*)?')
+TOML_ARRAY = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*\[((?:\s*"[^"\\]*"\s*,?)*)\s*\]\s*(#.*)?', re.S)
 
 
 def parse_simple_toml(text, path="upstream.toml"):
-    """Tables of `key = "string"` lines and comments; anything else is refused rather than misread."""
+    """Tables of `key = "string"` and `key = ["string", ...]` (one or several lines) and comments; anything else
+    is refused rather than misread."""
     data = {}
     table = data
-    for number, line in enumerate(text.splitlines(), 1):
+    lines = iter(enumerate(text.splitlines(), 1))
+    for number, line in lines:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        header, item = TOML_TABLE.fullmatch(line), TOML_STRING.fullmatch(line)
+        while line.count("[") > line.count("]") and "=" in line:  # an array continued on the next lines
+            line += " " + next(lines, (number, "]"))[1].split("#")[0].strip()
+        header, item, array = TOML_TABLE.fullmatch(line), TOML_STRING.fullmatch(line), TOML_ARRAY.fullmatch(line)
         if header:
             table = data.setdefault(header.group(1), {})
         elif item:
             table[item.group(1)] = item.group(2)
+        elif array:
+            table[array.group(1)] = re.findall(r'"([^"\\]*)"', array.group(2))
         else:
             raise PatchError(f"{path}:{number}: beyond the TOML this tool reads without tomllib; "
                              f"use Python 3.11+ or `pip install tomli`")
@@ -494,6 +505,232 @@ def cmd_pristine(args):
     print(f"{dest}: pristine {pin()['version']}")
 
 
+# ---- branches: one stacked branch per patch in an upstream checkout, ready to push as pull requests ----
+
+TESTS_MANIFEST = "tests.toml"
+UPSTREAM_TESTS = "upstream-tests"
+BRANCH_PREFIX = "ds-fork/"
+# Upstream's own harness: the exported tests import these and run under upstream's copies, never ours.
+UPSTREAM_HARNESS = ("tests/unit/common.py", "tests/unit/util.py", "tests/unit/__init__.py")
+UNIT_IMPORT = re.compile(r"^\s*(?:from\s+(unit(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]*)|import\s+(unit(?:\.\w+)+))",
+                         re.M)
+# PR text: lines that only make sense in this repository (the cells tool and the run that filled its tables).
+FORK_ONLY_LINES = (re.compile(r"^Generated: tools/cells\.py\b.*$"),
+                   re.compile(r"^From the test run finished .* against `fork/`\.$"),
+                   re.compile(r".*\btools/cells\.py\b.*"))
+
+
+def patch_number(patch):
+    return Path(patch).name[:4]
+
+
+def read_tests_manifest(patches_dir, series):
+    """{patch number: {"tests": [test files], "title": optional pull-request title}} from patches/tests.toml, one
+    table per patch of the series (tests = [] for a patch without tests of its own). A patch without a table, or a
+    table without a patch, is an error."""
+    path = Path(patches_dir) / TESTS_MANIFEST
+    if not path.exists():
+        raise PatchError(f"{path} is missing: it lists the tests each patch's pull request carries")
+    manifest = load_toml(path)
+    numbers = [patch_number(p) for p in series]
+    missing = [n for n in numbers if n not in manifest]
+    unknown = [n for n in manifest if n not in numbers]
+    if missing or unknown:
+        raise PatchError(f"{path} does not match {Path(patches_dir) / SERIES}: " +
+                         (f"no table for {', '.join(missing)} (add `[NNNN]` with `tests = [...]`, or `tests = []`)"
+                          if missing else "") + ("; " if missing and unknown else "") +
+                         (f"tables for patches not in the series: {', '.join(unknown)}" if unknown else ""))
+    return {n: dict(manifest[n], tests=list(manifest[n].get("tests", []))) for n in numbers}
+
+
+def imported_helpers(test_files, source):
+    """The repository files under tests/ that test_files import as `unit.*`, transitively (the tests' own
+    helpers), in a stable order; upstream's harness modules are left to upstream."""
+    found, queue = [], list(test_files)
+    while queue:
+        text = (Path(source) / queue.pop(0)).read_text()
+        for package, names, module in UNIT_IMPORT.findall(text):
+            candidates = [module] if module else [package] + [
+                f"{package}.{name.strip()}" for name in names.replace("(", " ").replace(")", " ").split(",")
+            ]
+            for dotted in candidates:
+                rel = "tests/" + dotted.replace(".", "/") + ".py"
+                if (Path(source) / rel).is_file() and rel not in found + list(test_files) + list(UPSTREAM_HARNESS):
+                    found.append(rel)
+                    queue.append(rel)
+    return found
+
+
+def ensure_series_objects(checkout, fork, patches_dir):
+    """Give the checkout every blob the series was made against, for `git am -3`: the pristine upstream commit
+    (fork/'s `upstream` tag, else one built from the pinned sdist) and, from patches/ applied to it in a scratch
+    index, the tree after each patch. Kept reachable under refs/ds-fork/."""
+    ref = f"refs/ds-fork/pristine-{pin()['version']}"
+    if Path(fork, ".git").is_dir() and has_ref(fork, f"refs/tags/{UPSTREAM_TAG}"):
+        git(checkout, "fetch", "--quiet", "--no-tags", str(Path(fork).resolve()), f"+refs/tags/{UPSTREAM_TAG}:{ref}")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp) / "pristine"
+            unpack(tree)
+            init_upstream_repo(tree)
+            git(checkout, "fetch", "--quiet", "--no-tags", str(tree), f"+refs/tags/{UPSTREAM_TAG}:{ref}")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(GIT_ENV, GIT_INDEX_FILE=str(Path(tmp) / "index"))
+        git(checkout, "read-tree", ref, env=env)
+        commit = git(checkout, "rev-parse", ref)
+        for patch in read_series(patches_dir):
+            git(checkout, "apply", "--cached", str(Path(patch).resolve()), env=env)
+            tree = git(checkout, "write-tree", env=env)
+            commit = git(checkout, "commit-tree", tree, "-p", commit, "-m", Path(patch).name, env=env)
+        git(checkout, "update-ref", "refs/ds-fork/series", commit)
+
+
+def branch_name(patch, prefix):
+    return prefix + Path(patch).name[:-len(".patch")]
+
+
+def depends_legend(message, number, series, prefix):
+    """For upstream readers: where this branch sits in the stack, and the patches the text names by number, with
+    their titles and branches."""
+    numbers = [patch_number(p) for p in series]
+    subjects = {patch_number(p): (series_message(p).splitlines()[0], branch_name(p, prefix)) for p in series}
+    position = numbers.index(number)
+    if position == 0:
+        return ""
+    named = sorted(set(re.findall(r"\b(\d{4})\b", message)) & set(numbers[:position]))
+    previous = numbers[position - 1]
+    lines = [f"- {n}: {subjects[n][0]} (branch `{subjects[n][1]}`)" for n in named]
+    return (f"This pull request is one of a stack: its branch `{subjects[number][1]}` builds on "
+            f"`{subjects[previous][1]}` ({previous}, the patch before it): open it against that branch, where its "
+            f"diff is this change alone, or against master once that one is merged." +
+            ("\nPatches named here by number:\n" + "\n".join(lines) if lines else ""))
+
+
+def pr_description(message, number, series, prefix, title=None):
+    """The patch message as the pull request's description: fork-only lines dropped, a legend of the patch
+    numbers it names right after its `Depends on` paragraph, and the title from patches/tests.toml if it has one."""
+    lines = [line for line in message.splitlines() if not any(p.fullmatch(line) for p in FORK_ONLY_LINES)]
+    if title:
+        lines[0] = title
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+    legend = depends_legend(text, number, series, prefix)
+    if legend:
+        paragraphs = text.split("\n\n")
+        at = next((i + 1 for i, p in enumerate(paragraphs) if p.startswith("Depends on")), 1)
+        paragraphs.insert(at, legend)
+        text = "\n\n".join(paragraphs)
+    return text
+
+
+def place_tests(worktree, base, files, source):
+    """Copy our files to the same paths in the worktree; one that upstream already has at the base is a name
+    collision, not an update."""
+    for rel in files:
+        if git(worktree, "ls-tree", "--name-only", base, "--", rel):
+            raise PatchError(f"{rel} exists in upstream's tree: rename our helper so that it cannot collide")
+        target = Path(worktree) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(source) / rel, target)
+    if files:
+        git(worktree, "add", "--", *files)
+
+
+def apply_upstream_test_update(worktree, patches_dir, number):
+    diff = Path(patches_dir) / UPSTREAM_TESTS / f"{number}.diff"
+    if not diff.exists():
+        return None
+    proc = subprocess.run(["git", "-C", str(worktree), "apply", "--index",
+                           str(diff.resolve())],
+                          capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise PatchError(f"{diff} (upstream's tests updated by patch {number}) does not apply:\n{proc.stderr}")
+    return diff
+
+
+def am_three_way(worktree, patch, base):
+    """Apply one patch as a commit; on a conflict, abort and name the patch and its conflicting files."""
+    proc = subprocess.run(
+        ["git", "-C", str(worktree), "am", "--quiet", "-3", "--keep-cr",
+         str(Path(patch).resolve())],
+        capture_output=True,
+        text=True)
+    if proc.returncode == 0:
+        return
+    conflicts = git(worktree, "diff", "--name-only", "--diff-filter=U", check=False).split()
+    git(worktree, "am", "--abort", check=False)
+    raise PatchError(f"{Path(patch).name} does not apply on {base}" +
+                     (f": conflicts in {', '.join(conflicts)}" if conflicts else "") + f"\n{proc.stdout}{proc.stderr}"
+                     f"Rebase the series onto this upstream (import it into fork/ with --3way, resolve, export), or "
+                     f"pass --base with an upstream commit it applies to.")
+
+
+def committer_env(checkout):
+    """The checkout's own identity commits the branches; a fixed one where it has none configured."""
+    if git(checkout, "config", "user.email", check=False):
+        return {}
+    return {k: v for k, v in GIT_ENV.items() if k.startswith("GIT_COMMITTER_") and not k.endswith("DATE")}
+
+
+def build_branch(worktree, patch, tip, files, title, args):
+    """The branch of one patch: the patch commit on `tip`, with its tests and upstream-test update folded in and
+    the pull-request description as its message. Returns what was added."""
+    number = patch_number(patch)
+    git(worktree, "checkout", "--quiet", "--detach", tip)
+    am_three_way(worktree, patch, tip)
+    if git(worktree, "rev-parse", "HEAD") == git(worktree, "rev-parse", tip):
+        raise PatchError(f"{Path(patch).name} changes nothing on {tip}: upstream already has it (drop it from the "
+                         f"series), or pass --base with an upstream commit before it")
+    place_tests(worktree, args.base_ref, files, args.source)
+    diff = apply_upstream_test_update(worktree, args.patches, number)
+    message = pr_description(series_message(patch), number, read_series(args.patches), args.prefix, title)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(message)
+    try:
+        git(worktree, "commit", "--quiet", "--amend", "--no-verify", "-F", f.name, env=committer_env(worktree))
+    finally:
+        os.unlink(f.name)
+    name = branch_name(patch, args.prefix)
+    git(worktree, "branch", "--force", name, "HEAD")
+    return name, diff
+
+
+def existing_branches(checkout, names):
+    return [n for n in names if has_ref(checkout, f"refs/heads/{n}")]
+
+
+def cmd_branches(args):
+    checkout = Path(args.checkout).resolve()
+    if not (checkout / ".git").exists():
+        raise PatchError(f"{checkout} is not a git checkout of upstream DeepSpeed")
+    series = read_series(args.patches)
+    tests = read_tests_manifest(args.patches, series)
+    names = [branch_name(p, args.prefix) for p in series]
+    taken = existing_branches(checkout, names)
+    if taken and not args.force:
+        raise PatchError(f"{checkout} already has {', '.join(taken)}; --force rewrites them")
+    base = git(checkout, "rev-parse", "--verify", f"{args.base}^{{commit}}")
+    ensure_series_objects(checkout, args.fork, args.patches)
+    args.base_ref = base
+    worktree = Path(tempfile.mkdtemp(prefix="ds-fork-branches-")) / "tree"
+    git(checkout, "worktree", "add", "--quiet", "--detach", str(worktree), base)
+    try:
+        tip, placed = base, set()
+        for patch in series:
+            entry = tests[patch_number(patch)]
+            files = [f for f in entry["tests"] if f not in placed]
+            files += [h for h in imported_helpers(files, args.source) if h not in placed and h not in files]
+            placed.update(files)
+            name, diff = build_branch(worktree, patch, tip, files, entry.get("title"), args)
+            tip = git(worktree, "rev-parse", "HEAD")
+            print(f"{name}: {Path(patch).name}" + (f" + {len(files)} test files" if files else "") +
+                  (f" + {diff.relative_to(Path(args.patches).parent)}" if diff else ""))
+    finally:
+        git(checkout, "worktree", "remove", "--force", str(worktree), check=False)
+        shutil.rmtree(worktree.parent, ignore_errors=True)
+    print(f"{len(series)} stacked branches on {args.base} ({base[:12]}) in {checkout}; the top is {names[-1]}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fork", default=str(ROOT / "fork"))
@@ -510,6 +747,13 @@ def main(argv=None):
     sub.add_parser("check")
     p_pristine = sub.add_parser("pristine")
     p_pristine.add_argument("--dest", default=str(ROOT / "pristine"))
+    p_branches = sub.add_parser("branches",
+                                help="write one stacked branch per patch into an upstream checkout (pull requests)")
+    p_branches.add_argument("checkout", help="a git checkout of upstream DeepSpeed")
+    p_branches.add_argument("--base", default="HEAD", help="the upstream commit the first branch starts from")
+    p_branches.add_argument("--prefix", default=BRANCH_PREFIX, help="branch name prefix")
+    p_branches.add_argument("--force", action="store_true", help="rewrite branches of a previous run")
+    p_branches.add_argument("--source", default=str(ROOT), help="the repository whose tests/ the branches carry")
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch":
@@ -522,6 +766,8 @@ def main(argv=None):
             return cmd_check(args)
         elif args.command == "pristine":
             cmd_pristine(args)
+        elif args.command == "branches":
+            cmd_branches(args)
     except PatchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,199 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""`tools/patches.py branches`: one stacked branch per patch in an upstream checkout, each holding the patch, its
+tests at upstream's paths with the helpers they import, and its update of upstream's tests, with the pull-request
+description as the message; a patch that conflicts stops the export by name. On a small synthetic upstream (no
+network, no sdist)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "patches.py"
+ENV = dict(os.environ,
+           GIT_AUTHOR_NAME="t",
+           GIT_AUTHOR_EMAIL="t@localhost",
+           GIT_COMMITTER_NAME="t",
+           GIT_COMMITTER_EMAIL="t@localhost")
+FORMAT_PATCH = ("format-patch", "--stdout", "-1", "--zero-commit", "--no-signature", "--no-numbered", "--keep-subject",
+                "--no-stat", "--full-index")
+PREFIX = "pr/"
+
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                          env=ENV).stdout.strip()
+
+
+def write(root, files):
+    for rel, text in files.items():
+        path = Path(root) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def commit(repo, message, files):
+    write(repo, files)
+    git(repo, "add", "--all")
+    git(repo, "commit", "--quiet", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
+UPSTREAM = {
+    "deepspeed/engine.py": "".join(f"line {i}\n" for i in range(1, 21)),
+    "deepspeed/stage3.py": "a = 1\n",
+    "tests/unit/common.py": "# upstream's harness\n",
+    "tests/unit/checkpoint/test_upstream.py": "def test_old():\n    assert 'old' == 'old'\n",
+}
+MESSAGES = {
+    "0001":
+    "ZeRO-3: first fix\n\nDepends on: none.\n\nSummary\nFixes engine line 2.\n\nValidated\n"
+    "Generated: tools/cells.py --feature first\n| feature | status |\n|---|---|\n| first | validated |\n\n"
+    "From the test run finished 2026-11-30 14:14:15 UTC against `fork/`.\n",
+    "0002":
+    "ZeRO-3: second fix\n\nDepends on: 0001 (its engine change).\n\nSummary\nFixes stage3; refresh with "
+    "tools/cells.py --feature second.\n",
+}
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A pristine upstream (fork/ with its `upstream` tag), a two-patch series made on it, our tests and manifest,
+    and an upstream checkout that moved on (a commit on engine.py's last line) since the pinned release."""
+    fork, patches, source, checkout = (tmp_path / n for n in ("fork", "patches", "source", "checkout"))
+    fork.mkdir()
+    git(fork, "init", "--quiet", "--initial-branch=main")
+    commit(fork, "upstream", UPSTREAM)
+    git(fork, "tag", "upstream")
+    engine = UPSTREAM["deepspeed/engine.py"].replace("line 2\n", "line 2 fixed\n")
+    patch_files = {"0001": {"deepspeed/engine.py": engine}, "0002": {"deepspeed/stage3.py": "a = 2\n"}}
+    patches.mkdir()
+    names = []
+    for number, files in patch_files.items():
+        commit(fork, MESSAGES[number], files)
+        name = f"{number}-{'first' if number == '0001' else 'second'}-fix.patch"
+        (patches / name).write_text(git(fork, *FORMAT_PATCH, "HEAD") + "\n")
+        names.append(name)
+    (patches / "series").write_text("".join(n + "\n" for n in names))
+    (patches / "tests.toml").write_text('[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\n\n'
+                                        '[0002]\ntests = [\n    "tests/unit/checkpoint/test_second.py",\n]\n'
+                                        'title = "ZeRO-3: second fix, whole scope"\n')
+    (patches / "upstream-tests").mkdir()
+    (patches / "upstream-tests" / "0002.diff").write_text(
+        "--- a/tests/unit/checkpoint/test_upstream.py\n+++ b/tests/unit/checkpoint/test_upstream.py\n"
+        "@@ -1,2 +1,2 @@\n def test_old():\n-    assert 'old' == 'old'\n+    assert 'new' == 'new'\n")
+    write(
+        source, {
+            "tests/unit/v1/zero/test_first.py": "from unit.common import DistributedTest\n"
+            "from unit.tiny_helpers import model  # noqa\n",
+            "tests/unit/tiny_helpers.py": "from unit.checkpoint import deeper_helpers  # noqa\nmodel = 1\n",
+            "tests/unit/checkpoint/deeper_helpers.py": "x = 1\n",
+            "tests/unit/checkpoint/test_second.py": "from unit.tiny_helpers import (model)  # noqa\n",
+            "tests/unit/common.py": "# our harness: never exported\n",
+        })
+    git(tmp_path, "clone", "--quiet", str(fork), str(checkout))
+    git(checkout, "checkout", "--quiet", "-B", "master", "upstream")
+    moved_on = UPSTREAM["deepspeed/engine.py"].replace("line 20\n", "line 20 upstream\n")
+    commit(checkout, "upstream moved on", {"deepspeed/engine.py": moved_on})
+    return fork, patches, source, checkout
+
+
+def branches(fork, patches, source, checkout, *extra):
+    return subprocess.run([
+        sys.executable,
+        str(TOOL), "--fork",
+        str(fork), "--patches",
+        str(patches), "branches",
+        str(checkout), "--source",
+        str(source), "--prefix", PREFIX, *extra
+    ],
+                          capture_output=True,
+                          text=True,
+                          env=ENV)
+
+
+def show(checkout, rev, path):
+    return git(checkout, "show", f"{rev}:{path}")
+
+
+def test_one_stacked_branch_per_patch(scratch):
+    fork, patches, source, checkout = scratch
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    first, second = PREFIX + "0001-first-fix", PREFIX + "0002-second-fix"
+    assert git(checkout, "for-each-ref", "--format=%(refname:short)",
+               f"refs/heads/{PREFIX}").split() == [first, second]
+    # stacked in series order, one commit each, on the checkout's HEAD (3-way merged over upstream's new commit)
+    assert git(checkout, "rev-parse", f"{first}^") == git(checkout, "rev-parse", "master")
+    assert git(checkout, "rev-parse", f"{second}^") == git(checkout, "rev-parse", first)
+    assert show(checkout, first, "deepspeed/engine.py").splitlines()[1::18] == ["line 2 fixed", "line 20 upstream"]
+    assert show(checkout, second, "deepspeed/stage3.py") == "a = 2"
+    # tests at upstream's paths, with the helpers they import (transitively), on the first branch needing them
+    files = git(checkout, "diff", "--name-only", f"{first}^", first).split()
+    assert files == [
+        "deepspeed/engine.py", "tests/unit/checkpoint/deeper_helpers.py", "tests/unit/tiny_helpers.py",
+        "tests/unit/v1/zero/test_first.py"
+    ]
+    assert show(checkout, first, "tests/unit/common.py") == "# upstream's harness"
+    # the upstream-test update on its own patch's branch only
+    files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
+    assert files == [
+        "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py", "tests/unit/checkpoint/test_upstream.py"
+    ]
+    assert "'new'" in show(checkout, second, "tests/unit/checkpoint/test_upstream.py")
+    assert "'old'" in show(checkout, first, "tests/unit/checkpoint/test_upstream.py")
+    # the message is the PR description: fork-only lines out, the stack and the patches it names explained
+    first_text, second_text = (git(checkout, "log", "-1", "--format=%B", b) for b in (first, second))
+    assert first_text.splitlines()[0] == "ZeRO-3: first fix"
+    assert second_text.splitlines()[0] == "ZeRO-3: second fix, whole scope"  # the title from tests.toml
+    assert "| first | validated |" in first_text
+    for text in (first_text, second_text):
+        assert "tools/cells.py" not in text and "From the test run" not in text and "fork/" not in text
+    assert "stack" not in first_text
+    assert f"builds on `{first}`" in second_text and f"- 0001: ZeRO-3: first fix (branch `{first}`)" in second_text
+    # the user's checkout is as it was, and a second run needs --force
+    assert git(checkout, "status", "--porcelain") == "" and git(checkout, "rev-parse", "--abbrev-ref",
+                                                                "HEAD") == "master"
+    again = branches(*scratch)
+    assert again.returncode != 0 and "--force" in again.stderr
+    assert branches(*scratch, "--force").returncode == 0
+
+
+def test_a_conflict_stops_at_the_patch_naming_its_files(scratch):
+    fork, patches, source, checkout = scratch
+    commit(checkout, "upstream rewrote stage3", {"deepspeed/stage3.py": "a = 3\n"})
+    result = branches(*scratch)
+    assert result.returncode != 0
+    assert "0002-second-fix.patch does not apply on" in result.stderr
+    assert "conflicts in deepspeed/stage3.py" in result.stderr
+    refs = git(checkout, "for-each-ref", "--format=%(refname:short)", f"refs/heads/{PREFIX}").split()
+    assert refs == [PREFIX + "0001-first-fix"]
+    assert git(checkout, "worktree", "list").count("\n") == 0  # the scratch worktree is gone
+
+
+def test_a_patch_upstream_already_has_is_refused(scratch):
+    fork, patches, source, checkout = scratch
+    commit(checkout, "upstream took the second fix", {"deepspeed/stage3.py": "a = 2\n"})
+    result = branches(*scratch)
+    assert result.returncode != 0 and "0002-second-fix.patch changes nothing" in result.stderr
+
+
+def test_a_patch_without_a_tests_entry_is_refused(scratch):
+    fork, patches, source, checkout = scratch
+    (patches / "tests.toml").write_text('[0001]\ntests = []\n')
+    result = branches(*scratch)
+    assert result.returncode != 0 and "no table for 0002" in result.stderr
+
+
+def test_a_helper_that_collides_with_upstream_is_refused(scratch):
+    fork, patches, source, checkout = scratch
+    shutil.copy(source / "tests/unit/tiny_helpers.py", source / "tests/unit/checkpoint/test_upstream.py")
+    (patches / "tests.toml").write_text('[0001]\ntests = ["tests/unit/checkpoint/test_upstream.py"]\n\n'
+                                        '[0002]\ntests = []\n')
+    result = branches(*scratch)
+    assert result.returncode != 0 and "exists in upstream's tree" in result.stderr
