@@ -15,6 +15,7 @@ ZERO3 = "unit/checkpoint/test_zero_resume_fp32_masters.py"
 AUTOTP = "unit/checkpoint/test_universal_zero3_autotp.py"
 ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
+RESHARD = "unit/checkpoint/test_zero3_reshard.py"
 
 # yapf: disable
 CELLS = {
@@ -26,19 +27,16 @@ CELLS = {
     SERIAL: dict(feature="serial-load", stage=3, precision="bf16"),
     f"{SERIAL}::TestSerialLoadOneNode": dict(checkpoint=["rigid", "universal"]),
     f"{SERIAL}::TestSerialLoadOneNode::test_failure_inside_the_chain_fails_every_rank": dict(checkpoint="rigid"),
-    f"{SERIAL}::TestSerialLoadDPSizeChange": dict(checkpoint="rigid", layout="dp4->dp2"),
     f"{SERIAL}::TestSerialLoadTwoNodes": dict(checkpoint=["rigid", "universal"], layout="none, 2 nodes x 2 ranks"),
     # 0003: ZeRO-3 fresh-optimizer resume
     ZERO3: dict(feature="resume", stage=3, precision="bf16"),
     f"{ZERO3}::TestZero3ResumeRejected": dict(checkpoint="rigid"),
-    f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change": dict(layout="dp4->dp2"),
     f"{ZERO3}::TestZero3ResumeRejected::test_missing_shard_of_one_rank":
         dict(checkpoint="rigid, shard missing on one rank"),
     f"{ZERO3}::TestZero3ResumeRejected::test_truncated_shard_on_one_rank":
         dict(checkpoint="rigid, truncated shard on one rank"),
     f"{ZERO3}::TestZero3ResumeRejected::test_trainable_set_change": dict(layout="trainable set"),
     f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change_with_a_missing_shard": dict(layout="dp4->dp2"),
-    f"{ZERO3}::TestZero3ResumeAtLargerDP": dict(checkpoint="rigid", layout="dp2->dp4"),
     f"{ZERO3}::TestZero3ResumeOlderTag": dict(checkpoint="rigid"),
     f"{ZERO3}::TestZero3UniversalModuleOnly": dict(offload="none", checkpoint="universal", layout="none"),
     # 0004, 0005: universal checkpoints under AutoTP
@@ -67,5 +65,12 @@ CELLS = {
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
+    # 0009: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
+    f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
+    f"{RESHARD}::TestZero3ReshardTrainableSetChange": dict(precision="bf16"),
+    f"{RESHARD}::TestZero3ReshardRefused": dict(precision="bf16", checkpoint="rigid (refused)"),
+    f"{RESHARD}::TestZero3ReshardRefused::test_nvme_offload":
+        dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
 }
 # yapf: enable
