@@ -677,7 +677,7 @@ def build_branch(worktree, patch, tip, files, title, args):
     the pull-request description as its message. Returns what was added."""
     number = patch_number(patch)
     git(worktree, "checkout", "--quiet", "--detach", tip)
-    am_three_way(worktree, patch, tip)
+    am_three_way(worktree, patch, f"{args.on} ({tip[:12]})")
     if git(worktree, "rev-parse", "HEAD") == git(worktree, "rev-parse", tip):
         raise PatchError(f"{Path(patch).name} changes nothing on {tip}: upstream already has it (drop it from the "
                          f"series), or pass --base with an upstream commit before it")
@@ -711,7 +711,7 @@ def cmd_branches(args):
         raise PatchError(f"{checkout} already has {', '.join(taken)}; --force rewrites them")
     base = git(checkout, "rev-parse", "--verify", f"{args.base}^{{commit}}")
     ensure_series_objects(checkout, args.fork, args.patches)
-    args.base_ref = base
+    args.base_ref, args.on = base, args.base
     worktree = Path(tempfile.mkdtemp(prefix="ds-fork-branches-")) / "tree"
     git(checkout, "worktree", "add", "--quiet", "--detach", str(worktree), base)
     try:
@@ -722,6 +722,7 @@ def cmd_branches(args):
             files += [h for h in imported_helpers(files, args.source) if h not in placed and h not in files]
             placed.update(files)
             name, diff = build_branch(worktree, patch, tip, files, entry.get("title"), args)
+            args.on = name
             tip = git(worktree, "rev-parse", "HEAD")
             print(f"{name}: {Path(patch).name}" + (f" + {len(files)} test files" if files else "") +
                   (f" + {diff.relative_to(Path(args.patches).parent)}" if diff else ""))
