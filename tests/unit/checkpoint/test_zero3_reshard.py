@@ -20,7 +20,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_fresh, assert_same, expect_rejected, masters, moments,
-                                                 rounding, steps, truncate_on_rank, weights)
+                                                 rounding, steps, truncate_on_rank, weights, move_aside_on_rank)
 from unit.common import DistributedTest
 from unit.zero_tiny_models import TinyMLP, model_dtype, zero3_config
 
@@ -255,6 +255,20 @@ class TestZero3ReshardRefused(DistributedTest):
         engine = build("bf16", dist.get_world_size(), seed=1)
         for kwargs, _, _ in MODES.values():
             expect_rejected(engine, save_dir, "rank_3.*cannot be read.*Restore the file", refusing_rank=1, **kwargs)
+
+    def test_missing_model_states_file_at_the_saved_size(self, tmp_path):
+        """Only ranks beyond the saved ones read saved rank 0's model-states file: a saved rank's own file missing
+        is refused on every rank (its frozen parameters' pieces are there)."""
+        save_dir = str(tmp_path)
+        saves_reference(save_dir, "bf16", saved_world=dist.get_world_size())
+        move_aside_on_rank(os.path.join(save_dir, TAG, "zero_pp_rank_1_mp_rank_00_model_states.pt"), rank=0)
+        engine = build("bf16", dist.get_world_size(), seed=1)
+        for kwargs, _, _ in MODES.values():
+            expect_rejected(engine,
+                            save_dir,
+                            "zero_pp_rank_1_mp_rank_00_model_states.pt is missing.*Restore the file",
+                            refusing_rank=1,
+                            **kwargs)
 
     @layouts("dp4->dp2")
     @pytest.mark.parametrize("change, match", [(without_param_shapes, "it has no param_shapes.*saved with"),
