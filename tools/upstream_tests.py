@@ -39,6 +39,7 @@ from unit.env import extensions_dir  # noqa: E402
 
 PY = sys.executable
 LOCK = "/tmp/cpu.lock"
+DEVICES = 4  # the most ranks a chosen file's test uses
 TREES = {"pristine": ROOT / "pristine", "fork": ROOT / "fork"}
 UPDATES = ROOT / "patches" / "upstream-tests"
 # The areas the series touches: checkpointing (0002-0007), ZeRO-3 and ZeRO-1/2 (0001, 0003, 0006, 0007),
@@ -113,6 +114,9 @@ def tree_env(tree, log, timeout):
     env.update({
         "PYTHONPATH": os.pathsep.join(path),
         "DS_ACCELERATOR": "cpu",
+        # The CPU accelerator counts LOCAL_SIZE devices (else one per NUMA node, here 1), and DistributedTest
+        # skips a test that has more ranks than devices: without it every multi-rank test would be skipped.
+        "LOCAL_SIZE": str(DEVICES),
         "TORCH_EXTENSIONS_DIR": extensions_dir(TREES[tree]),
         "UPSTREAM_TESTS_LOG": str(log),
         # DistributedTest's own hang check ends the whole session and can then hang closing its pool; let
