@@ -15,7 +15,8 @@ the CPU accelerator, nccl on CUDA. The parent waits for every rank:
 The tests use only what upstream's DistributedTest offers, so the same files run under upstream's
 tests/unit/common.py: `world_size` (class attribute, `@pytest.mark.world_size(n)` or a parametrize
 argument), a list of world sizes (the test runs once per entry, one launch after another, sharing
-its fixtures: e.g. 4 ranks save a checkpoint, then 2 load it), and the `exec_timeout` class attribute.
+its fixtures: e.g. 4 ranks save a checkpoint, then 2 load it), the `exec_timeout` class attribute and the
+`class_tmpdir` fixture.
 
 Beyond upstream, for our own tests only: `@pytest.mark.exec_timeout(seconds)`, `local_size` (default:
 the world size; simulates several nodes, LOCAL_RANK = rank % local_size) and `pg_timeout_s` (default: a
@@ -66,6 +67,11 @@ class DistributedTest:
     # Process-group timeout (collectives that never complete raise after this long); None: default_pg_timeout.
     pg_timeout_s = None
     backend = None
+
+    # As upstream's: a temporary directory shared by the test methods of a class.
+    @pytest.fixture(autouse=True, scope="class")
+    def class_tmpdir(self, tmpdir_factory):
+        return tmpdir_factory.mktemp(self.__class__.__name__)
 
     def __call__(self, request):
         world_sizes = _world_sizes(request, self.world_size)

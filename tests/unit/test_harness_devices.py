@@ -68,3 +68,14 @@ def test_a_world_size_list_launches_each_size_in_turn(monkeypatch):
     assert launched == [(4, 4, common.default_pg_timeout(timeout), timeout),
                         (2, 2, common.default_pg_timeout(timeout), timeout)]
     assert common.default_pg_timeout(600) == 200 and common.default_pg_timeout(60) == 30
+
+
+class TestClassTmpdir(common.DistributedTest):
+    """Upstream's class_tmpdir: one folder shared by the class's tests, passed to the ranks."""
+    world_size = 1
+
+    def test_first_writes(self, class_tmpdir):
+        class_tmpdir.join("shared.txt").write("from the first test")
+
+    def test_second_reads(self, class_tmpdir):
+        assert class_tmpdir.join("shared.txt").read() == "from the first test"
