@@ -72,6 +72,7 @@ pristine: venv
 bench: setup pristine
 	$(VPY) bench/zero3_master_memory.py
 	$(VPY) bench/zero3_resume_cost.py
+	$(VPY) bench/zero3_reshard_cost.py
 
 # The validated-cells matrix from the last test run (markdown; tools/cells.py --help).
 cells:

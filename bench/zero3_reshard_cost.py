@@ -1,0 +1,466 @@
+#!/usr/bin/env python3
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Cost of resuming a ZeRO-3 checkpoint at another data-parallel size, the fork beside pristine 0.19.8, in one run.
+
+The fork loads a rigid ZeRO-3 checkpoint saved at N ranks directly at M ranks: each rank memory-maps the saved
+shards and copies only the element ranges of its new partitions. 0.19.8's only route is ds_to_universal (its own
+converter, one process) followed by a universal load (checkpoint.load_universal=true). Module-only loads at the
+same size and at another size are compared too, with and without load_optimizer_states=False: 0.19.8 consolidates
+the whole model from every shard in the latter case (zero_to_fp32).
+
+One checkpoint per saved size (bf16 TinyMLP, ZeRO-3, fp32 masters, torch Adam, one step), saved once at 4 and at 2
+ranks by the fork, is read by both trees (the series leaves the saved format unchanged). Every step runs in fresh
+processes; each process records, around the step (the helpers of bench/zero3_resume_cost.py):
+
+- wall s: wall time of the step (max over ranks; on a shared 2-core machine +-30% is noise);
+- read MB: rchar from /proc/self/io (read()) plus the pages of mmap'd files touched (peak RssFile increase,
+  sampled every 2 ms), per rank; "own share" is the checkpoint's optimizer shards' total bytes / M ranks. The kernel
+  maps a file's pages in units of its page-cache folios (up to 2 MB here), so slices of a few MB count up to about
+  twice their size;
+- written MB: wchar from /proc/self/io, per rank: every write(), so a load's collectives over gloo's sockets count
+  too;
+- temp disk MB: the universal folder ds_to_universal leaves, plus the tmp/ folder of fragments it writes inside the
+  output folder first (kept here with keep_temp_folder=True to be measured, then removed): both exist at its peak.
+  It makes no other temporary files;
+- peak RSS delta MB: VmHWM during the step minus VmRSS before it (mmap'd file pages included), per rank;
+- what came back, compared with the saved state gathered over all ranks (sha1 of every parameter's full tensor):
+  fp32 masters (exact, bf16-rounded, other), Adam moments (exact, fresh, other) and 16-bit weights.
+
+    .venv/bin/python bench/zero3_reshard_cost.py            # ~34M params, about 2 minutes on 2 cores
+    .venv/bin/python bench/zero3_reshard_cost.py --quick    # ~4M params, about a minute
+
+pristine/ must exist (`make pristine`); the fork is whatever `import deepspeed` finds. The fork's worker keeps an
+inherited TORCH_EXTENSIONS_DIR (e.g. a worktree on PYTHONPATH reusing fork/'s op cache); 0.19.8's always uses its
+own.
+"""
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from queue import Empty
+
+import zero3_resume_cost as resume_cost  # bench/ is on sys.path when this script runs
+from zero3_resume_cost import RssSampler, free_port, proc_fields, reset_peak_rss
+
+ROOT = Path(__file__).resolve().parent.parent
+TAG = "ckpt"
+UNIVERSAL_TAG = "ckpt_universal"
+MB = 2**20
+TREES = ("fork", "pristine")
+TREE_LABEL = {"fork": "fork", "pristine": "0.19.8"}
+SAVED_SIZES = (4, 2)
+# (case label, saved ranks, loading ranks, load_checkpoint kwargs). Module-only loads twice: 0.19.8 consolidates the
+# model from every shard only where load_optimizer_states=False; with load_module_only=True alone it takes the
+# module from the model-states files, which hold no ZeRO-3 weights.
+MODULE_ONLY = {"load_module_only": True}
+MODULE_ONLY_NO_OPTIM = {"load_module_only": True, "load_optimizer_states": False}
+CASES = [
+    ("full resume 4 -> 2", 4, 2, {}),
+    ("full resume 2 -> 4", 2, 4, {}),
+    ("load_module_only=True 2 -> 2", 2, 2, MODULE_ONLY),
+    ("load_module_only=True, load_optimizer_states=False 2 -> 2", 2, 2, MODULE_ONLY_NO_OPTIM),
+    ("load_module_only=True 4 -> 2", 4, 2, MODULE_ONLY),
+    ("load_module_only=True, load_optimizer_states=False 4 -> 2", 4, 2, MODULE_ONLY_NO_OPTIM),
+]
+ERROR_CELL_CHARS = 300
+
+
+# ---------------------------------------------------------------- measuring one step in one process
+def measured(call):
+    """call()'s result and its cost to this process: wall time, bytes read and written, peak RSS delta."""
+    gc.collect()
+    (io_before, _), (rss_before, _) = proc_fields("io"), proc_fields("status")
+    hwm_reset = reset_peak_rss()
+    sampler = RssSampler()
+    sampler.start()
+    start = time.perf_counter()
+    try:
+        result = call()
+    finally:
+        seconds = time.perf_counter() - start
+        peak_kb = sampler.stop()
+    (io_after, _), (rss_after, _) = proc_fields("io"), proc_fields("status")
+    return result, {
+        "wall_s": seconds,
+        # VmHWM is exact where it could be reset, the sampled peak otherwise
+        "peak_rss_mb": ((rss_after["VmHWM"] if hwm_reset else peak_kb["VmRSS"]) - rss_before["VmRSS"]) / 1024,
+        "read_mb": (io_after["rchar"] - io_before["rchar"] - sampler.bytes_read) / MB +
+        (peak_kb["RssFile"] - rss_before["RssFile"]) / 1024,
+        "written_mb": (io_after["wchar"] - io_before["wchar"]) / MB,
+    }
+
+
+def folder_mb(path):
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / MB
+
+
+# ---------------------------------------------------------------- the model and the state it holds
+def build_engine(args, seed, universal=False):
+    import torch
+    import deepspeed
+    from unit.zero_tiny_models import TinyMLP, zero3_config
+    config = zero3_config("bf16")
+    config["zero_optimization"]["reduce_bucket_size"] = args.hidden * args.hidden
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = args.hidden * args.hidden
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    torch.manual_seed(seed)
+    model = TinyMLP(hidden=args.hidden, nlayers=args.layers)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def gathered_digests(engine):
+    """sha1 of every parameter's full fp32 master, its bf16 rounding, both Adam moments and the 16-bit weight,
+    gathered over all ranks (collective: every rank calls it), so that states held at different sizes compare."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    sha = {key: hashlib.sha1() for key in ("masters", "masters_bf16", "exp_avg", "exp_avg_sq", "weights")}
+    fresh = False
+    for param in engine.module.parameters():
+        master = safe_get_full_fp32_param(param)
+        sha["masters"].update(master.float().contiguous().numpy().tobytes())
+        sha["masters_bf16"].update(master.to(torch.bfloat16).float().contiguous().numpy().tobytes())
+        for key in ("exp_avg", "exp_avg_sq"):
+            try:
+                state = safe_get_full_optimizer_state(param, key)
+            except KeyError:  # no state yet
+                state = None
+            fresh = fresh or state is None or not state.any()
+            if state is not None:
+                sha[key].update(state.float().contiguous().numpy().tobytes())
+        with deepspeed.zero.GatheredParameters([param]):
+            sha["weights"].update(param.data.float().contiguous().numpy().tobytes())
+    digests = {key: value.hexdigest() for key, value in sha.items()}
+    digests["fresh_moments"] = fresh
+    return digests
+
+
+def compare(saved, loaded):
+    """What the load left, against the saved state."""
+    if loaded["masters"] == saved["masters"]:
+        masters = "exact"
+    else:
+        masters = "bf16-rounded" if loaded["masters"] == saved["masters_bf16"] else "**other**"
+    if loaded["exp_avg"] == saved["exp_avg"] and loaded["exp_avg_sq"] == saved["exp_avg_sq"]:
+        moments = "exact"
+    else:
+        moments = "fresh" if loaded["fresh_moments"] else "**other**"
+    return {"masters": masters, "moments": moments, "weights": "yes" if loaded["weights"] == saved["weights"] else
+            "**NO**"}
+
+
+def saved_dir(args, saved_ranks):
+    return os.path.join(args.ckpt_root, f"saved_at_{saved_ranks}")
+
+
+# ---------------------------------------------------------------- one rank: save, or load one case
+def save_rank(args, rank):
+    import deepspeed.comm as dist
+    engine = build_engine(args, seed=0)
+    resume_cost.train_step(engine, args.hidden)
+    engine.save_checkpoint(args.ckpt, tag=TAG)
+    digests = gathered_digests(engine)
+    if rank == 0:
+        with open(os.path.join(args.ckpt, "saved_state.json"), "w") as f:
+            json.dump(digests, f)
+    dist.barrier()
+    return engine, {}
+
+
+def load_rank(args, rank):
+    with open(os.path.join(args.ckpt, "saved_state.json")) as f:
+        saved = json.load(f)
+    engine = build_engine(args, seed=1, universal=args.universal)  # other weights: a load that misses shows
+    import deepspeed.comm as dist
+    dist.barrier()  # every rank starts the load together, from a settled RSS
+    spy = resume_cost.SPY
+    spy.calls.clear()
+    spy.recording = True
+    tag = UNIVERSAL_TAG if args.universal else TAG
+    _, costs = measured(lambda: engine.load_checkpoint(args.ckpt, tag=tag, **args.load_kwargs))
+    spy.recording = False
+    costs["files"] = list(spy.calls)
+    costs.update(compare(saved, gathered_digests(engine)))
+    return engine, costs
+
+
+def rank_main(rank, args, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port),
+                      RANK=str(rank),
+                      LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.world_size),
+                      LOCAL_SIZE=str(args.world_size))
+    try:
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, row = save_rank(args, rank) if args.phase == "save" else load_rank(args, rank)
+        queue.put((rank, row))
+        deepspeed.comm.barrier()
+        engine.destroy()
+    except Exception:
+        queue.put((rank, {"error": traceback.format_exc()}))
+        raise
+
+
+# ---------------------------------------------------------------- sets of processes
+def collect_rows(procs, queue, timeout):
+    """{rank: row}, or {"error": ...} once a rank failed (the others may wait in a collective forever: killed)."""
+    rows = {}
+    deadline = time.monotonic() + timeout
+    while len(rows) < len(procs):
+        try:
+            rank, row = queue.get(timeout=1)
+            if "error" in row:
+                return {"error": f"rank {rank}: {row['error']}"}
+            rows[rank] = row
+        except Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in rows]
+            if dead:
+                return {"error": f"ranks {dead} died (exit {procs[dead[0]].exitcode})"}
+            if time.monotonic() > deadline:
+                return {"error": f"timeout after {timeout}s"}
+    return rows
+
+
+def run_ranks(args, world_size, phase, **extra):
+    """One fresh set of rank processes, forked from the worker that imported DeepSpeed once. Returns the rows in rank
+    order, or {"error": ...}."""
+    import torch.multiprocessing as mp
+    from unit.env import remove_shm_comm_buffers
+    port = free_port()
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    rank_args = argparse.Namespace(**{**vars(args), **extra}, phase=phase, world_size=world_size)
+    procs = [ctx.Process(target=rank_main, args=(r, rank_args, port, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        rows = collect_rows(procs, queue, args.timeout)
+        for p in procs:
+            p.join(timeout=60 if "error" not in rows else 5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        remove_shm_comm_buffers("127.0.0.1", port)
+    return rows if "error" in rows else [rows[r] for r in range(world_size)]
+
+
+def convert_main(args, queue):
+    """ds_to_universal (this tree's) on a saved checkpoint, in one process, as its command line runs it."""
+    try:
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+        from unit.checkpoint.universal_conversion import converter_args
+        output = os.path.join(args.ckpt, UNIVERSAL_TAG)
+        converter = converter_args(os.path.join(args.ckpt, TAG), output)
+        converter.keep_temp_folder = True  # measured below, then removed: it exists at the converter's peak
+        _, costs = measured(lambda: ds_to_universal(converter))
+        costs["temp_mb"] = folder_mb(output)
+        shutil.rmtree(os.path.join(output, "tmp"))
+        costs["universal_mb"] = folder_mb(output)
+        queue.put((0, costs))
+    except Exception:
+        queue.put((0, {"error": traceback.format_exc()}))
+        raise
+
+
+def run_conversion(args, ckpt):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=convert_main, args=(argparse.Namespace(**vars(args), ckpt=ckpt), queue))
+    proc.start()
+    try:
+        rows = collect_rows([proc], queue, args.timeout)
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    return rows if "error" in rows else [rows[0]]
+
+
+# ---------------------------------------------------------------- one tree (a subprocess)
+def checkpoint_sizes(ckpt):
+    files = list((Path(ckpt) / TAG).iterdir())
+    return {
+        "optim_mb": sum(f.stat().st_size for f in files if f.name.endswith("optim_states.pt")) / MB,
+        "model_mb": sum(f.stat().st_size for f in files if f.name.endswith("model_states.pt")) / MB,
+    }
+
+
+def save_checkpoints(args):
+    """The fork saves the checkpoint at each size once; both trees read it."""
+    saved = {}
+    for saved_ranks in SAVED_SIZES:
+        ckpt = saved_dir(args, saved_ranks)
+        os.makedirs(ckpt, exist_ok=True)
+        rows = run_ranks(args, saved_ranks, "save", ckpt=ckpt, universal=False, load_kwargs={})
+        if "error" in rows:
+            sys.exit(f"saving at {saved_ranks} ranks failed:\n{rows['error']}")
+        saved[saved_ranks] = checkpoint_sizes(ckpt)
+    return saved
+
+
+def fork_steps(args, case):
+    _, saved_ranks, ranks, kwargs = case
+    ckpt = saved_dir(args, saved_ranks)
+    return {"load": run_ranks(args, ranks, "load", ckpt=ckpt, universal=False, load_kwargs=kwargs)}
+
+
+def pristine_steps(args, case):
+    """0.19.8: a module-only load reads the rigid checkpoint; a full resume at another size converts it first."""
+    _, saved_ranks, ranks, kwargs = case
+    ckpt = saved_dir(args, saved_ranks)
+    if kwargs.get("load_module_only") or saved_ranks == ranks:
+        return {"load": run_ranks(args, ranks, "load", ckpt=ckpt, universal=False, load_kwargs=kwargs)}
+    steps = {"ds_to_universal": run_conversion(args, ckpt)}
+    if "error" not in steps["ds_to_universal"]:
+        steps["universal load"] = run_ranks(args, ranks, "load", ckpt=ckpt, universal=True, load_kwargs=kwargs)
+    shutil.rmtree(os.path.join(ckpt, UNIVERSAL_TAG), ignore_errors=True)
+    return steps
+
+
+def run_worker(args):
+    from unit.env import set_default_environment
+    set_default_environment()  # this tree's own JIT-op cache, unless one was inherited
+    resume_cost.import_deepspeed_once()
+    import deepspeed.checkpoint.ds_to_universal  # noqa: F401  (imported once, not timed in the converter)
+    import unit.checkpoint.universal_conversion  # noqa: F401
+    results = {"saved": save_checkpoints(args) if args.tree == "fork" else None}
+    steps_of = fork_steps if args.tree == "fork" else pristine_steps
+    for case in CASES:
+        start = time.monotonic()
+        results[case[0]] = steps_of(args, case)
+        print(f"{args.tree} {case[0]}: {time.monotonic() - start:.1f} s", file=sys.stderr)
+    print("RESULTS " + json.dumps(results))
+
+
+def run_tree(tree, args):
+    env = dict(os.environ)
+    env["DS_ACCELERATOR"] = "cpu"
+    if tree == "pristine":
+        env.pop("TORCH_EXTENSIONS_DIR", None)  # never the fork's op cache
+        env["PYTHONPATH"] = str(ROOT / "pristine") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable, __file__, "--worker", "--tree", tree, "--ckpt-root", args.ckpt_root, "--hidden",
+        str(args.hidden), "--layers",
+        str(args.layers), "--timeout",
+        str(args.timeout)
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout * 20)
+    line = next((text for text in proc.stdout.splitlines() if text.startswith("RESULTS ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"{tree} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    sys.stderr.write(proc.stderr[-2000:] if args.verbose else "")
+    return json.loads(line[len("RESULTS "):])
+
+
+# ---------------------------------------------------------------- the table
+HEADER = [
+    "case", "tree", "step", "ranks", "wall s", "read MB per rank: read() + mmap'd pages", "own share MB (shards / M)",
+    "written MB per rank", "temp disk MB", "peak RSS Δ MB per rank", "files torch.load'ed per rank: optim shards (mmap)"
+    " + other", "fp32 masters", "Adam moments", "16-bit weights"
+]
+
+
+def per_rank(rows, key, fmt="{:.0f}"):
+    return " / ".join(fmt.format(row[key]) for row in rows)
+
+
+def files_cell(rows):
+    cells = []
+    for row in rows:
+        shards = [f for f in row["files"] if f["name"].endswith("optim_states.pt")]
+        cells.append(f"{len(shards)} ({sum(f['mmap'] for f in shards)}) + {len(row['files']) - len(shards)}")
+    return " / ".join(cells)
+
+
+def error_cell(error):
+    """The exception line of a traceback (the last non-empty line), as a table cell."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else error
+    if lines and lines[0].startswith("rank ") and not text.startswith("rank "):
+        text = lines[0].split(":")[0] + ": " + text
+    return "**error**: " + text.replace("|", "\\|")[:ERROR_CELL_CHARS]
+
+
+def step_row(case, tree, step, rows, share_mb):
+    head = [case, TREE_LABEL[tree], step]
+    if "error" in rows:
+        return head + ["", error_cell(rows["error"])] + [""] * (len(HEADER) - 5)
+    if step == "ds_to_universal":
+        row = rows[0]
+        return head + [
+            "1 process", f"{row['wall_s']:.2f}", f"{row['read_mb']:.0f}", "", f"{row['written_mb']:.0f}",
+            f"{row['temp_mb']:.0f} (universal folder {row['universal_mb']:.0f} + tmp/ "
+            f"{row['temp_mb'] - row['universal_mb']:.0f})", f"{row['peak_rss_mb']:.0f}", "", "", "", ""
+        ]
+    states = [" / ".join(sorted({r[key] for r in rows})) for key in ("masters", "moments", "weights")]
+    return head + [
+        str(len(rows)), f"{max(r['wall_s'] for r in rows):.2f}",
+        per_rank(rows, "read_mb"), f"{share_mb:.0f}",
+        per_rank(rows, "written_mb", "{:.1f}"), "-",
+        per_rank(rows, "peak_rss_mb"),
+        files_cell(rows)
+    ] + states
+
+
+def print_table(results, args):
+    saved = {int(k): v for k, v in results["fork"]["saved"].items()}
+    numel = sum(args.hidden * args.hidden + args.hidden for _ in range(args.layers))
+    sizes = ", ".join(f"saved at {n} ranks: optim shards {v['optim_mb']:.0f} MB in all, model-states files "
+                      f"{v['model_mb']:.1f} MB" for n, v in sorted(saved.items(), reverse=True))
+    print(f"\nZeRO-3 resume at another data-parallel size: CPU accelerator, bf16 + fp32 masters, torch Adam, TinyMLP "
+          f"hidden={args.hidden} x {args.layers} layers = {numel / 1e6:.1f}M params ({sizes}). Each step in fresh "
+          "processes; per-rank values are listed rank 0 / rank 1 / ...; wall s is the slowest rank.\n")
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+    for case, saved_ranks, ranks, _ in CASES:
+        share_mb = saved[saved_ranks]["optim_mb"] / ranks
+        for tree in TREES:
+            for step, rows in results[tree][case].items():
+                print("| " + " | ".join(step_row(case, tree, step, rows, share_mb)) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="hidden 1024 x 4 layers (~4M params)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per set of processes")
+    parser.add_argument("--verbose", action="store_true", help="each tree's per-case timings on stderr")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", choices=TREES, help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt-root", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers = 1024, 4
+    if args.worker:
+        return run_worker(args)
+    if not (ROOT / "pristine" / "deepspeed").is_dir():
+        sys.exit("pristine/ is missing: run `make pristine` first")
+    start = time.monotonic()
+    args.ckpt_root = tempfile.mkdtemp(prefix="zero3_reshard_cost_")
+    try:
+        results = {tree: run_tree(tree, args) for tree in TREES}  # the fork first: it saves the checkpoints
+    finally:
+        shutil.rmtree(args.ckpt_root, ignore_errors=True)
+    print_table(results, args)
+    print(f"\n({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
