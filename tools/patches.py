@@ -543,19 +543,26 @@ def read_tests_manifest(patches_dir, series):
     return {n: dict(manifest[n], tests=list(manifest[n].get("tests", []))) for n in numbers}
 
 
+def committed_text(source, rel):
+    """A file as committed at HEAD in the source repository (work in progress there does not travel), or None."""
+    proc = subprocess.run(["git", "-C", str(source), "show", f"HEAD:{rel}"], capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
 def imported_helpers(test_files, source):
     """The repository files under tests/ that test_files import as `unit.*`, transitively (the tests' own
     helpers), in a stable order; upstream's harness modules are left to upstream."""
     found, queue = [], list(test_files)
     while queue:
-        text = (Path(source) / queue.pop(0)).read_text()
+        text = committed_text(source, queue.pop(0))
         for package, names, module in UNIT_IMPORT.findall(text):
             candidates = [module] if module else [package] + [
                 f"{package}.{name.strip()}" for name in names.replace("(", " ").replace(")", " ").split(",")
             ]
             for dotted in candidates:
                 rel = "tests/" + dotted.replace(".", "/") + ".py"
-                if (Path(source) / rel).is_file() and rel not in found + list(test_files) + list(UPSTREAM_HARNESS):
+                if committed_text(source,
+                                  rel) is not None and rel not in found + list(test_files) + list(UPSTREAM_HARNESS):
                     found.append(rel)
                     queue.append(rel)
     return found
@@ -630,7 +637,10 @@ def place_tests(worktree, base, files, source):
             raise PatchError(f"{rel} exists in upstream's tree: rename our helper so that it cannot collide")
         target = Path(worktree) / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(source) / rel, target)
+        text = committed_text(source, rel)
+        if text is None:
+            raise PatchError(f"{rel} (patches/tests.toml) is not committed in {source}")
+        target.write_text(text)
     if files:
         git(worktree, "add", "--", *files)
 
@@ -754,7 +764,9 @@ def main(argv=None):
     p_branches.add_argument("--base", default="HEAD", help="the upstream commit the first branch starts from")
     p_branches.add_argument("--prefix", default=BRANCH_PREFIX, help="branch name prefix")
     p_branches.add_argument("--force", action="store_true", help="rewrite branches of a previous run")
-    p_branches.add_argument("--source", default=str(ROOT), help="the repository whose tests/ the branches carry")
+    p_branches.add_argument("--source",
+                            default=str(ROOT),
+                            help="the repository whose tests/ (as committed at HEAD) the branches carry")
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch":

@@ -149,8 +149,8 @@ def test_export_refuses_to_overwrite_a_newer_series(scratch):
     fork, patches = scratch
     commit_own_work(fork)
     revise_first_patch(patches)
-    revised = {p.name: p.read_text() for p in patches.iterdir()}
+    revised = {p.name: p.read_text() for p in patches.iterdir() if p.is_file()}
     args = argparse.Namespace(fork=str(fork), patches=str(patches), force=False)
     with pytest.raises(tool.PatchError, match="Do not `make export`"):
         tool.cmd_export(args)
-    assert {p.name: p.read_text() for p in patches.iterdir()} == revised
+    assert {p.name: p.read_text() for p in patches.iterdir() if p.is_file()} == revised

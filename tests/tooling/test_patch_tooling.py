@@ -80,9 +80,9 @@ def test_check_catches_unexported_work_until_exported(scratch):
     assert series[-1].endswith("zero-3-an-unexported-change.patch")
 
     # re-exporting an unchanged tree changes no file
-    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir()}
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir() if p.is_file()}
     assert run_tool("--fork", str(fork), "--patches", str(patches), "export").returncode == 0
-    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir()}
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir() if p.is_file()}
     assert after == before
 
 

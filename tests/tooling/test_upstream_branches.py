@@ -6,7 +6,6 @@ description as the message; a patch that conflicts stops the export by name. On 
 network, no sdist)."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +95,9 @@ def scratch(tmp_path):
             "tests/unit/checkpoint/test_second.py": "from unit.tiny_helpers import (model)  # noqa\n",
             "tests/unit/common.py": "# our harness: never exported\n",
         })
+    git(source, "init", "--quiet")
+    commit(source, "our tests", {})
+    write(source, {"tests/unit/tiny_helpers.py": "work in progress, not committed: never exported\n"})
     git(tmp_path, "clone", "--quiet", str(fork), str(checkout))
     git(checkout, "checkout", "--quiet", "-B", "master", "upstream")
     moved_on = UPSTREAM["deepspeed/engine.py"].replace("line 20\n", "line 20 upstream\n")
@@ -140,6 +142,7 @@ def test_one_stacked_branch_per_patch(scratch):
         "tests/unit/v1/zero/test_first.py"
     ]
     assert show(checkout, first, "tests/unit/common.py") == "# upstream's harness"
+    assert "never exported" not in show(checkout, first, "tests/unit/tiny_helpers.py")  # as committed
     # the upstream-test update on its own patch's branch only
     files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
     assert files == [
@@ -192,7 +195,7 @@ def test_a_patch_without_a_tests_entry_is_refused(scratch):
 
 def test_a_helper_that_collides_with_upstream_is_refused(scratch):
     fork, patches, source, checkout = scratch
-    shutil.copy(source / "tests/unit/tiny_helpers.py", source / "tests/unit/checkpoint/test_upstream.py")
+    commit(source, "a test named as upstream's", {"tests/unit/checkpoint/test_upstream.py": "x = 1\n"})
     (patches / "tests.toml").write_text('[0001]\ntests = ["tests/unit/checkpoint/test_upstream.py"]\n\n'
                                         '[0002]\ntests = []\n')
     result = branches(*scratch)
