@@ -50,7 +50,7 @@ from pathlib import Path
 from queue import Empty
 
 import zero3_resume_cost as resume_cost  # bench/ is on sys.path when this script runs
-from zero3_resume_cost import RssSampler, free_port, proc_fields, reset_peak_rss
+from zero3_resume_cost import RssSampler, free_port, proc_fields, reset_peak_rss, set_rank_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "ckpt"
@@ -197,12 +197,7 @@ def load_rank(args, rank):
 
 
 def rank_main(rank, args, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port),
-                      RANK=str(rank),
-                      LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(args.world_size),
-                      LOCAL_SIZE=str(args.world_size))
+    set_rank_environment(rank, args.world_size, port)
     try:
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
@@ -371,8 +366,8 @@ def run_tree(tree, args):
 # ---------------------------------------------------------------- the table
 HEADER = [
     "case", "tree", "step", "ranks", "wall s", "read MB per rank: read() + mmap'd pages", "own share MB (shards / M)",
-    "written MB per rank", "temp disk MB", "peak RSS Δ MB per rank", "files torch.load'ed per rank: optim shards (mmap)"
-    " + other", "fp32 masters", "Adam moments", "16-bit weights"
+    "written MB per rank", "temp disk MB", "peak RSS Δ MB per rank",
+    "files torch.load'ed per rank: optim shards (mmap) + other", "fp32 masters", "Adam moments", "16-bit weights"
 ]
 
 

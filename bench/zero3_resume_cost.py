@@ -243,13 +243,18 @@ def load_rank(engine, args, rank, spy):
     }
 
 
-def rank_main(rank, args, port, queue):
+def set_rank_environment(rank, world_size, port):
+    """What torch.distributed and the CPU accelerator read: one node of `world_size` ranks on this machine."""
     os.environ.update(MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port),
                       RANK=str(rank),
                       LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(args.world_size),
-                      LOCAL_SIZE=str(args.world_size))
+                      WORLD_SIZE=str(world_size),
+                      LOCAL_SIZE=str(world_size))
+
+
+def rank_main(rank, args, port, queue):
+    set_rank_environment(rank, args.world_size, port)
     try:
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
