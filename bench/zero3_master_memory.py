@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from queue import Empty
 
-from zero3_resume_cost import set_rank_environment  # bench/ is on sys.path when this script runs
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' model, configs and environment helpers
 PRECISIONS = ["fp32", "autocast", "bf16_master", "bf16"]
@@ -95,7 +93,12 @@ def measure_engine(engine):
 
 
 def rank_main(rank, args, port, queue):
-    set_rank_environment(rank, args.world_size, port)
+    os.environ.update(MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port),
+                      RANK=str(rank),
+                      LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.world_size),
+                      LOCAL_SIZE=str(args.world_size))
     import torch
     import deepspeed
     from deepspeed.accelerator import get_accelerator
