@@ -47,10 +47,9 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from queue import Empty
 
 import zero3_resume_cost as resume_cost  # bench/ is on sys.path when this script runs
-from zero3_resume_cost import RssSampler, free_port, proc_fields, reset_peak_rss, set_rank_environment
+from zero3_resume_cost import (RssSampler, collect_rows, free_port, proc_fields, reset_peak_rss, set_rank_environment)
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "ckpt"
@@ -91,7 +90,8 @@ def measured(call):
         peak_kb = sampler.stop()
     (io_after, _), (rss_after, _) = proc_fields("io"), proc_fields("status")
     return result, {
-        "wall_s": seconds,
+        "wall_s":
+        seconds,
         # VmHWM is exact where it could be reset, the sampled peak otherwise
         "peak_rss_mb": ((rss_after["VmHWM"] if hwm_reset else peak_kb["VmRSS"]) - rss_before["VmRSS"]) / 1024,
         "read_mb": (io_after["rchar"] - io_before["rchar"] - sampler.bytes_read) / MB +
@@ -157,8 +157,11 @@ def compare(saved, loaded):
         moments = "exact"
     else:
         moments = "fresh" if loaded["fresh_moments"] else "**other**"
-    return {"masters": masters, "moments": moments, "weights": "yes" if loaded["weights"] == saved["weights"] else
-            "**NO**"}
+    return {
+        "masters": masters,
+        "moments": moments,
+        "weights": "yes" if loaded["weights"] == saved["weights"] else "**NO**"
+    }
 
 
 def saved_dir(args, saved_ranks):
@@ -211,25 +214,6 @@ def rank_main(rank, args, port, queue):
 
 
 # ---------------------------------------------------------------- sets of processes
-def collect_rows(procs, queue, timeout):
-    """{rank: row}, or {"error": ...} once a rank failed (the others may wait in a collective forever: killed)."""
-    rows = {}
-    deadline = time.monotonic() + timeout
-    while len(rows) < len(procs):
-        try:
-            rank, row = queue.get(timeout=1)
-            if "error" in row:
-                return {"error": f"rank {rank}: {row['error']}"}
-            rows[rank] = row
-        except Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in rows]
-            if dead:
-                return {"error": f"ranks {dead} died (exit {procs[dead[0]].exitcode})"}
-            if time.monotonic() > deadline:
-                return {"error": f"timeout after {timeout}s"}
-    return rows
-
-
 def run_ranks(args, world_size, phase, **extra):
     """One fresh set of rank processes, forked from the worker that imported DeepSpeed once. Returns the rows in rank
     order, or {"error": ...}."""

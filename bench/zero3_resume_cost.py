@@ -275,20 +275,31 @@ def free_port():
         return s.getsockname()[1]
 
 
-def collect(procs, queue, timeout):
-    """{rank: row} once every rank reported; exits on a failed or dead rank, or the timeout."""
+def collect_rows(procs, queue, timeout):
+    """{rank: row}, or {"error": ...} once a rank failed, died or the timeout passed (the others may wait in a
+    collective forever: the caller kills them)."""
     rows = {}
     deadline = time.monotonic() + timeout
     while len(rows) < len(procs):
         try:
             rank, row = queue.get(timeout=1)
             if "error" in row:
-                sys.exit(f"rank {rank} failed:\n{row['error']}")
+                return {"error": f"rank {rank} failed:\n{row['error']}"}
             rows[rank] = row
         except Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in rows]
-            if dead or time.monotonic() > deadline:
-                sys.exit(f"ranks {dead} died" if dead else f"timeout after {timeout}s")
+            if dead:
+                return {"error": f"ranks {dead} died (exit {procs[dead[0]].exitcode})"}
+            if time.monotonic() > deadline:
+                return {"error": f"timeout after {timeout}s"}
+    return rows
+
+
+def collect(procs, queue, timeout):
+    """{rank: row} once every rank reported; exits on a failed or dead rank, or the timeout."""
+    rows = collect_rows(procs, queue, timeout)
+    if "error" in rows:
+        sys.exit(rows["error"])
     return rows
 
 
