@@ -525,9 +525,9 @@ def patch_number(patch):
 
 
 def read_tests_manifest(patches_dir, series):
-    """{patch number: {"tests": [test files], "title": optional pull-request title}} from patches/tests.toml, one
-    table per patch of the series (tests = [] for a patch without tests of its own). A patch without a table, or a
-    table without a patch, is an error."""
+    """{patch number: {"tests": [test files], "updates": [test files], "at": commit, "title": optional pull-request
+    title}} from patches/tests.toml, one table per patch of the series (tests = [] for a patch without tests of its
+    own). A patch without a table, or a table without a patch, is an error."""
     path = Path(patches_dir) / TESTS_MANIFEST
     if not path.exists():
         raise PatchError(f"{path} is missing: it lists the tests each patch's pull request carries")
@@ -540,29 +540,35 @@ def read_tests_manifest(patches_dir, series):
                          (f"no table for {', '.join(missing)} (add `[NNNN]` with `tests = [...]`, or `tests = []`)"
                           if missing else "") + ("; " if missing and unknown else "") +
                          (f"tables for patches not in the series: {', '.join(unknown)}" if unknown else ""))
-    return {n: dict(manifest[n], tests=list(manifest[n].get("tests", []))) for n in numbers}
+    return {
+        n: dict(manifest[n],
+                tests=list(manifest[n].get("tests", [])),
+                updates=list(manifest[n].get("updates", [])),
+                at=manifest[n].get("at", "HEAD"))
+        for n in numbers
+    }
 
 
-def committed_text(source, rel):
-    """A file as committed at HEAD in the source repository (work in progress there does not travel), or None."""
-    proc = subprocess.run(["git", "-C", str(source), "show", f"HEAD:{rel}"], capture_output=True, text=True)
+def committed_text(source, rel, rev="HEAD"):
+    """A file as committed at rev (HEAD: work in progress does not travel) in the source repository, or None."""
+    proc = subprocess.run(["git", "-C", str(source), "show", f"{rev}:{rel}"], capture_output=True, text=True)
     return proc.stdout if proc.returncode == 0 else None
 
 
-def imported_helpers(test_files, source):
+def imported_helpers(test_files, source, rev="HEAD"):
     """The repository files under tests/ that test_files import as `unit.*`, transitively (the tests' own
     helpers), in a stable order; upstream's harness modules are left to upstream."""
     found, queue = [], list(test_files)
     while queue:
-        text = committed_text(source, queue.pop(0))
+        text = committed_text(source, queue.pop(0), rev)
         for package, names, module in UNIT_IMPORT.findall(text):
             candidates = [module] if module else [package] + [
                 f"{package}.{name.strip()}" for name in names.replace("(", " ").replace(")", " ").split(",")
             ]
             for dotted in candidates:
                 rel = "tests/" + dotted.replace(".", "/") + ".py"
-                if committed_text(source,
-                                  rel) is not None and rel not in found + list(test_files) + list(UPSTREAM_HARNESS):
+                if committed_text(source, rel,
+                                  rev) is not None and rel not in found + list(test_files) + list(UPSTREAM_HARNESS):
                     found.append(rel)
                     queue.append(rel)
     return found
@@ -629,20 +635,38 @@ def pr_description(message, number, series, prefix, title=None):
     return text
 
 
-def place_tests(worktree, base, files, source):
-    """Copy our files to the same paths in the worktree; one that upstream already has at the base is a name
-    collision, not an update."""
+def branch_test_files(entry, number, placed, source):
+    """{path: text} of the test files one branch adds or changes, at its table's commit (`at`, default HEAD): its
+    own tests, the earlier branches' tests it updates (`updates`), and the unit.* helpers they import that no
+    earlier branch placed, or placed with other text. `placed` holds what the earlier branches carry."""
+    rev = entry["at"]
+    not_placed = [f for f in entry["updates"] if f not in placed]
+    if not_placed:
+        raise PatchError(f"patches/tests.toml [{number}] updates {', '.join(not_placed)}, which no earlier patch's "
+                         f"tests list: name it under `tests`")
+    files = [f for f in entry["tests"] if f not in placed] + entry["updates"]
+    files += [h for h in imported_helpers(files, source, rev) if h not in files]
+    texts = {}
     for rel in files:
+        text = committed_text(source, rel, rev)
+        if text is None:
+            raise PatchError(f"{rel} (patches/tests.toml [{number}]) is not committed in {source} at {rev}")
+        if placed.get(rel) != text:
+            texts[rel] = text
+    return texts
+
+
+def place_tests(worktree, base, texts):
+    """Write our files at the same paths in the worktree; one that upstream already has at the base is a name
+    collision, not an update."""
+    for rel, text in texts.items():
         if git(worktree, "ls-tree", "--name-only", base, "--", rel):
             raise PatchError(f"{rel} exists in upstream's tree: rename our helper so that it cannot collide")
         target = Path(worktree) / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = committed_text(source, rel)
-        if text is None:
-            raise PatchError(f"{rel} (patches/tests.toml) is not committed in {source}")
         target.write_text(text)
-    if files:
-        git(worktree, "add", "--", *files)
+    if texts:
+        git(worktree, "add", "--", *texts)
 
 
 def apply_upstream_test_update(worktree, patches_dir, number):
@@ -691,7 +715,7 @@ def build_branch(worktree, patch, tip, files, title, args):
     if git(worktree, "rev-parse", "HEAD") == git(worktree, "rev-parse", tip):
         raise PatchError(f"{Path(patch).name} changes nothing on {tip}: upstream already has it (drop it from the "
                          f"series), or pass --base with an upstream commit before it")
-    place_tests(worktree, args.base_ref, files, args.source)
+    place_tests(worktree, args.base_ref, files)
     diff = apply_upstream_test_update(worktree, args.patches, number)
     message = pr_description(series_message(patch), number, read_series(args.patches), args.prefix, title)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -725,11 +749,10 @@ def cmd_branches(args):
     worktree = Path(tempfile.mkdtemp(prefix="ds-fork-branches-")) / "tree"
     git(checkout, "worktree", "add", "--quiet", "--detach", str(worktree), base)
     try:
-        tip, placed = base, set()
+        tip, placed = base, {}
         for patch in series:
             entry = tests[patch_number(patch)]
-            files = [f for f in entry["tests"] if f not in placed]
-            files += [h for h in imported_helpers(files, args.source) if h not in placed and h not in files]
+            files = branch_test_files(entry, patch_number(patch), placed, args.source)
             placed.update(files)
             name, diff = build_branch(worktree, patch, tip, files, entry.get("title"), args)
             args.on = name
@@ -766,7 +789,8 @@ def main(argv=None):
     p_branches.add_argument("--force", action="store_true", help="rewrite branches of a previous run")
     p_branches.add_argument("--source",
                             default=str(ROOT),
-                            help="the repository whose tests/ (as committed at HEAD) the branches carry")
+                            help="the repository whose tests/ (as committed at HEAD, or at a table's `at`) the "
+                            "branches carry")
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch":

@@ -200,3 +200,36 @@ def test_a_helper_that_collides_with_upstream_is_refused(scratch):
                                         '[0002]\ntests = []\n')
     result = branches(*scratch)
     assert result.returncode != 0 and "exists in upstream's tree" in result.stderr
+
+
+def test_a_later_patch_updates_an_earlier_patchs_tests(scratch):
+    """0001 takes its tests as committed before a later change (`at`); 0002, which made that change, carries it
+    (`updates`), with the helper it changed alongside."""
+    fork, patches, source, checkout = scratch
+    before = git(source, "rev-parse", "HEAD")
+    commit(
+        source, "0002 retires a test of 0001", {
+            "tests/unit/v1/zero/test_first.py": "from unit.common import DistributedTest\n"
+            "from unit.tiny_helpers import model  # noqa\n# the refusal test retired\n",
+            "tests/unit/tiny_helpers.py": "from unit.checkpoint import deeper_helpers  # noqa\nmodel = 2\n",
+        })
+    (patches / "tests.toml").write_text(f'[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\nat = "{before}"\n\n'
+                                        '[0002]\ntests = ["tests/unit/checkpoint/test_second.py"]\n'
+                                        'updates = ["tests/unit/v1/zero/test_first.py"]\n')
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    first, second = PREFIX + "0001-first-fix", PREFIX + "0002-second-fix"
+    assert "retired" not in show(checkout, first, "tests/unit/v1/zero/test_first.py")
+    assert show(checkout, first, "tests/unit/tiny_helpers.py").endswith("model = 1")
+    assert "retired" in show(checkout, second, "tests/unit/v1/zero/test_first.py")
+    assert show(checkout, second, "tests/unit/tiny_helpers.py").endswith("model = 2")
+    files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
+    assert files == [
+        "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py", "tests/unit/checkpoint/test_upstream.py",
+        "tests/unit/tiny_helpers.py", "tests/unit/v1/zero/test_first.py"
+    ]
+    # an update of a file no earlier patch carries is a manifest mistake, named
+    (patches / "tests.toml").write_text('[0001]\ntests = []\n\n[0002]\ntests = []\n'
+                                        'updates = ["tests/unit/v1/zero/test_first.py"]\n')
+    result = branches(*scratch, "--force")
+    assert result.returncode != 0 and "which no earlier patch's tests list" in result.stderr
