@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean upstream-tests branches
+.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean upstream-tests branches branch-tests
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -96,6 +96,13 @@ $(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-sta
 branches: venv
 	@test -n "$(UPSTREAM)" || { echo "usage: make branches UPSTREAM=DIR [BASE=REF] [FORCE=1] (an upstream DeepSpeed checkout)"; exit 2; }
 	$(VPY) $(PATCHES) branches $(UPSTREAM) $(if $(BASE),--base $(BASE)) $(if $(FORCE),--force)
+
+# Each pull request's tests on its own branch (after `make branches`): the branch's code and tests extracted whole,
+# pytest under upstream's harness (tools/branch_tests.py --help).
+BRANCH_TESTS_ARGS ?=
+branch-tests: setup $(VENV)/.upstream-tests-stamp
+	@test -n "$(UPSTREAM)" || { echo "usage: make branch-tests UPSTREAM=DIR (the checkout make branches wrote into)"; exit 2; }
+	$(VPY) tools/branch_tests.py --upstream $(UPSTREAM) $(BRANCH_TESTS_ARGS)
 
 clean:
 	rm -rf $(VENV) fork pristine .cache

@@ -109,8 +109,8 @@ def tree_env(tree, log, timeout):
     """The environment that makes `import deepspeed` find this tree, with its own JIT-op cache."""
     env = dict(os.environ)
     path = [str(ROOT / "tools")]  # the plugin
-    if tree == "pristine":
-        path.insert(0, str(TREES["pristine"]))  # before the editable install of fork/
+    if tree != "fork":
+        path.insert(0, str(TREES[tree]))  # before the editable install of fork/
     env.update({
         "PYTHONPATH": os.pathsep.join(path),
         "DS_ACCELERATOR": "cpu",

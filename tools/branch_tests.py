@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Run each pull request's tests on its own branch, under upstream's harness (after `make branches`).
+
+For each patch of the series, in order, its branch (`ds-fork/NNNN-...` in the upstream checkout) is extracted
+whole, code and tests, into one scratch folder (.cache/branch-tests/tree: one path for every branch, so that
+the JIT-op cache built for the first one serves the others), its ops are built there, and pytest runs in its
+tests/ (upstream's conftest.py, pytest.ini and unit/common.py) with `import deepspeed` finding that branch's
+code: the patch and the ones below it, nothing above. The files run are the ones patches/tests.toml lists for
+the patch (`tests` and `updates`) and the upstream test files its patches/upstream-tests/NNNN.diff changes;
+a test of those upstream files that fails also on pristine 0.19.8 in the last `make upstream-tests` results is
+version skew of the snapshot, reported apart. Results in .cache/branch-tests/results.json.
+
+    make branch-tests UPSTREAM=DIR                       # after make branches UPSTREAM=DIR
+    .venv/bin/python tools/branch_tests.py --upstream DIR --only 0003 0009
+    .venv/bin/python tools/branch_tests.py --report
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import io
+from pathlib import Path
+
+import upstream_tests as ut
+from patches import BRANCH_PREFIX, branch_name, patch_number, read_series, read_tests_manifest
+
+PATCHES = ut.ROOT / "patches"
+TREE = "branch"
+
+
+def extract_branch(checkout, branch, dest):
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(checkout), "archive", branch], capture_output=True, check=True)
+    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(dest)
+
+
+def files_to_run(entry, number):
+    """tests/-relative: the patch's own tests, the earlier tests it updates, the upstream tests its diff changes."""
+    ours = [f[len("tests/"):] for f in entry["tests"] + entry["updates"]]
+    diff = ut.UPDATES / f"{number}.diff"
+    return ours, ut.updated_files([diff]) if diff.exists() else []
+
+
+def build_ops(tree):
+    """Always ask: the .so of an earlier branch may be stale here (0008 changes the shm op's source), and a
+    build inside a test would count against its timeout."""
+    code = ("import sys; from deepspeed.accelerator import get_accelerator as a\n"
+            "for n in sys.argv[1:]:\n"
+            "    b = a().create_op_builder(n)\n"
+            "    if b is not None and b.is_compatible(verbose=False): b.load(verbose=False)\n")
+    subprocess.run([ut.PY, "-c", code] + list(ut.OPS), env=ut.tree_env(TREE, "/dev/null", 0), check=True,
+                   cwd=tree, stdout=subprocess.DEVNULL)
+
+
+def skew(pristine, test_file, nodeid):
+    """A failure of an upstream test that pristine 0.19.8 does not pass either (the snapshot's version skew)."""
+    return pristine.get(test_file, {}).get(nodeid, {}).get("outcome") not in (None, "passed")
+
+
+def report(state):
+    pristine = state.get("pristine", {})
+    print("| patch | file | passed | failed | skipped | error+timeout | failing on pristine too |")
+    print("|---|---|---|---|---|---|---|")
+    for number, run in state["branches"].items():
+        for test_file, res in run["results"].items():
+            c = ut.counts(res)
+            bad = [n for n, r in res.items() if r["outcome"] not in ("passed", "skipped")]
+            skewed = [n for n in bad if test_file in run["upstream_files"] and skew(pristine, test_file, n)]
+            print(f"| {number} | `{test_file}` | {c['passed']} | {c['failed']} | {c['skipped']} | "
+                  f"{c['error'] + c['timeout']} | {len(skewed)} |")
+    failures = [(n, nodeid, r) for n, run in state["branches"].items() for f, res in run["results"].items()
+                for nodeid, r in res.items() if r["outcome"] not in ("passed", "skipped") and not (
+                    f in run["upstream_files"] and skew(pristine, f, nodeid))]
+    print(f"\nfailures on their own branch: {len(failures)}")
+    for number, nodeid, r in failures:
+        print(f"- {number} {nodeid}: {r['outcome']}\n    " + "\n    ".join(r["detail"].splitlines()[-6:]))
+    return failures
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--upstream", type=Path, help="the upstream checkout `make branches` wrote into")
+    parser.add_argument("--prefix", default=BRANCH_PREFIX)
+    parser.add_argument("--only", nargs="+", help="patch numbers (default: every patch of the series)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
+    parser.add_argument("--out", type=Path, default=ut.ROOT / ".cache" / "branch-tests")
+    parser.add_argument("--report", action="store_true", help="print the saved results of the last run")
+    args = parser.parse_args()
+    saved = args.out / "results.json"
+    state = json.loads(saved.read_text()) if saved.exists() else {"branches": {}}
+    if args.report:
+        return 1 if report(state) else 0
+    if args.upstream is None:
+        parser.error("--upstream is required (or --report)")
+    comparison = ut.ROOT / ".cache" / "upstream-tests" / "results.json"
+    state["pristine"] = json.loads(comparison.read_text())["results"].get("pristine", {}) if comparison.exists() else {}
+    series = read_series(PATCHES)
+    manifest = read_tests_manifest(PATCHES, series)
+    tree = args.out / "tree"
+    ut.TREES[TREE] = tree
+    for patch in series:
+        number = patch_number(patch)
+        if args.only and number not in args.only:
+            continue
+        branch = branch_name(patch, args.prefix)
+        ours, upstream_files = files_to_run(manifest[number], number)
+        print(f"{branch}: {', '.join(ours + upstream_files) or 'no tests'}", flush=True)
+        with ut.cpu_lock():
+            extract_branch(args.upstream, branch, tree)
+            build_ops(tree)
+            results = {f: ut.run_file(TREE, tree, f, args.out, args.timeout) for f in ours + upstream_files}
+        state["branches"][number] = {"branch": branch, "results": results, "upstream_files": upstream_files}
+        saved.write_text(json.dumps(state, indent=1))
+        for f, res in results.items():
+            print(f"  {f}: {ut.counts(res)}", flush=True)
+    return 1 if report(state) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
