@@ -99,7 +99,8 @@ def main():
     if args.upstream is None:
         parser.error("--upstream is required (or --report)")
     comparison = ut.ROOT / ".cache" / "upstream-tests" / "results.json"
-    state["pristine"] = json.loads(comparison.read_text())["results"].get("pristine", {}) if comparison.exists() else {}
+    compared = json.loads(comparison.read_text())["results"] if comparison.exists() else {}
+    state["pristine"] = compared.get("pristine", {})
     series = read_series(PATCHES)
     manifest = read_tests_manifest(PATCHES, series)
     tree = args.out / "tree"
