@@ -18,12 +18,14 @@ version skew of the snapshot, reported apart. Results in .cache/branch-tests/res
 """
 
 import argparse
+import io
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
-import io
+import tempfile
 from pathlib import Path
 
 import upstream_tests as ut
@@ -34,10 +36,35 @@ TREE = "branch"
 
 
 def extract_branch(checkout, branch, dest):
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    """Make dest hold exactly the branch's tree. A file whose content is unchanged keeps its old mtime and a
+    changed one gets a new one, so that the JIT-op builds (ninja compares mtimes) redo exactly the ops whose
+    sources this branch changes (0008's shm op), and nothing else."""
     archive = subprocess.run(["git", "-C", str(checkout), "archive", branch], capture_output=True, check=True)
-    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(dest)
+    with tempfile.TemporaryDirectory() as tmp:
+        tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(tmp)
+        sync_tree(Path(tmp), dest)
+
+
+def sync_tree(src, dest):
+    dest.mkdir(parents=True, exist_ok=True)
+    wanted = {p.relative_to(src) for p in src.rglob("*")}
+    for path in sorted(dest.rglob("*"), reverse=True):  # children first
+        rel = path.relative_to(dest)
+        if rel not in wanted or path.is_symlink() != (src / rel).is_symlink() or (path.is_dir()
+                                                                                  and not (src / rel).is_dir()):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    for rel in sorted(wanted):
+        source, target = src / rel, dest / rel
+        if source.is_symlink():
+            if not target.is_symlink() or os.readlink(target) != os.readlink(source):
+                target.unlink(missing_ok=True)
+                os.symlink(os.readlink(source), target)
+        elif source.is_dir():
+            target.mkdir(exist_ok=True)
+        elif not target.exists() or target.read_bytes() != source.read_bytes():
+            target.unlink(missing_ok=True)
+            shutil.copyfile(source, target)
+            shutil.copymode(source, target)
 
 
 def files_to_run(entry, number):
@@ -54,29 +81,51 @@ def build_ops(tree):
             "for n in sys.argv[1:]:\n"
             "    b = a().create_op_builder(n)\n"
             "    if b is not None and b.is_compatible(verbose=False): b.load(verbose=False)\n")
-    subprocess.run([ut.PY, "-c", code] + list(ut.OPS), env=ut.tree_env(TREE, "/dev/null", 0), check=True,
-                   cwd=tree, stdout=subprocess.DEVNULL)
+    subprocess.run([ut.PY, "-c", code] + list(ut.OPS),
+                   env=ut.tree_env(TREE, "/dev/null", 0),
+                   check=True,
+                   cwd=tree,
+                   stdout=subprocess.DEVNULL)
 
 
-def skew(pristine, test_file, nodeid):
-    """A failure of an upstream test that pristine 0.19.8 does not pass either (the snapshot's version skew)."""
-    return pristine.get(test_file, {}).get(nodeid, {}).get("outcome") not in (None, "passed")
+def exception_line(detail):
+    """The exception pytest reports last (`E   SomeError: ...`), the part of a failure that tells causes apart."""
+    lines = [line for line in detail.splitlines() if line.startswith("E ")]
+    return lines[-1].strip() if lines else detail.strip().splitlines()[-1:]
+
+
+def skew(pristine, test_file, nodeid, result):
+    """A failure of an upstream test that pristine 0.19.8 fails too, with the same exception: the snapshot's
+    version skew. A test pristine skipped, timed out on, or failed otherwise is a failure of the branch."""
+    before = pristine.get(test_file, {}).get(nodeid)
+    return (before is not None and before["outcome"] in ("failed", "error")
+            and exception_line(before["detail"]) == exception_line(result["detail"]))
 
 
 def report(state):
     pristine = state.get("pristine", {})
-    print("| patch | file | passed | failed | skipped | error+timeout | failing on pristine too |")
-    print("|---|---|---|---|---|---|---|")
+    print("| patch | branch commit | file | passed | failed | skipped | error+timeout | failing on pristine too |")
+    print("|---|---|---|---|---|---|---|---|")
     for number, run in state["branches"].items():
         for test_file, res in run["results"].items():
             c = ut.counts(res)
             bad = [n for n, r in res.items() if r["outcome"] not in ("passed", "skipped")]
-            skewed = [n for n in bad if test_file in run["upstream_files"] and skew(pristine, test_file, n)]
-            print(f"| {number} | `{test_file}` | {c['passed']} | {c['failed']} | {c['skipped']} | "
-                  f"{c['error'] + c['timeout']} | {len(skewed)} |")
-    failures = [(n, nodeid, r) for n, run in state["branches"].items() for f, res in run["results"].items()
-                for nodeid, r in res.items() if r["outcome"] not in ("passed", "skipped") and not (
-                    f in run["upstream_files"] and skew(pristine, f, nodeid))]
+            skewed = [n for n in bad if test_file in run["upstream_files"] and skew(pristine, test_file, n, res[n])]
+            cells = [run["commit"][:12], f"`{test_file}`", c["passed"], c["failed"], c["skipped"]]
+            cells += [c["error"] + c["timeout"], len(skewed)]
+            print(f"| {number} | " + " | ".join(str(x) for x in cells) + " |")
+    failures = [
+        (n, nodeid, r) for n, run in state["branches"].items() for f, res in run["results"].items()
+        for nodeid, r in res.items()
+        if r["outcome"] not in ("passed",
+                                "skipped") and not (f in run["upstream_files"] and skew(pristine, f, nodeid, r))
+    ]
+    # A file of ours where nothing passed proves nothing (every test skipped: too few devices, a missing op).
+    failures += [(n, f, {
+        "outcome": "nothing passed",
+        "detail": str(ut.counts(res))
+    }) for n, run in state["branches"].items() for f, res in run["results"].items()
+                 if f not in run["upstream_files"] and not ut.counts(res)["passed"]]
     print(f"\nfailures on their own branch: {len(failures)}")
     for number, nodeid, r in failures:
         print(f"- {number} {nodeid}: {r['outcome']}\n    " + "\n    ".join(r["detail"].splitlines()[-6:]))
@@ -103,6 +152,9 @@ def main():
     state["pristine"] = compared.get("pristine", {})
     series = read_series(PATCHES)
     manifest = read_tests_manifest(PATCHES, series)
+    # Results of patches no longer in the series, or of a run of other branches, are not this series' results.
+    numbers = [patch_number(p) for p in series]
+    state["branches"] = {n: r for n, r in state["branches"].items() if n in numbers and r.get("prefix") == args.prefix}
     tree = args.out / "tree"
     ut.TREES[TREE] = tree
     for patch in series:
@@ -110,13 +162,23 @@ def main():
         if args.only and number not in args.only:
             continue
         branch = branch_name(patch, args.prefix)
+        commit = subprocess.run(["git", "-C", str(args.upstream), "rev-parse", "--verify", branch],
+                                capture_output=True,
+                                text=True,
+                                check=True).stdout.strip()
         ours, upstream_files = files_to_run(manifest[number], number)
         print(f"{branch}: {', '.join(ours + upstream_files) or 'no tests'}", flush=True)
         with ut.cpu_lock():
             extract_branch(args.upstream, branch, tree)
             build_ops(tree)
             results = {f: ut.run_file(TREE, tree, f, args.out, args.timeout) for f in ours + upstream_files}
-        state["branches"][number] = {"branch": branch, "results": results, "upstream_files": upstream_files}
+        state["branches"][number] = {
+            "branch": branch,
+            "prefix": args.prefix,
+            "commit": commit,
+            "results": results,
+            "upstream_files": upstream_files
+        }
         saved.write_text(json.dumps(state, indent=1))
         for f, res in results.items():
             print(f"  {f}: {ut.counts(res)}", flush=True)

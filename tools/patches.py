@@ -508,6 +508,7 @@ def cmd_pristine(args):
 # ---- branches: one stacked branch per patch in an upstream checkout, ready to push as pull requests ----
 
 TESTS_MANIFEST = "tests.toml"
+MANIFEST_KEYS = ("tests", "updates", "at", "title")
 UPSTREAM_TESTS = "upstream-tests"
 BRANCH_PREFIX = "ds-fork/"
 # Upstream's own harness: the exported tests import these and run under upstream's copies, never ours.
@@ -533,6 +534,13 @@ def read_tests_manifest(patches_dir, series):
         raise PatchError(f"{path} is missing: it lists the tests each patch's pull request carries")
     manifest = load_toml(path)
     numbers = [patch_number(p) for p in series]
+    for number, table in manifest.items():
+        unknown_keys = sorted(set(table) - set(MANIFEST_KEYS))
+        if unknown_keys or "tests" not in table:
+            raise PatchError(f"{path} [{number}]: " +
+                             (f"unknown keys {', '.join(unknown_keys)} " if unknown_keys else "no `tests` ") +
+                             f"(a table has {', '.join(MANIFEST_KEYS)}; "
+                             f"`tests` is required, `tests = []` for none)")
     missing = [n for n in numbers if n not in manifest]
     unknown = [n for n in manifest if n not in numbers]
     if missing or unknown:
@@ -541,10 +549,11 @@ def read_tests_manifest(patches_dir, series):
                           if missing else "") + ("; " if missing and unknown else "") +
                          (f"tables for patches not in the series: {', '.join(unknown)}" if unknown else ""))
     return {
-        n: dict(manifest[n],
-                tests=list(manifest[n].get("tests", [])),
-                updates=list(manifest[n].get("updates", [])),
-                at=manifest[n].get("at", "HEAD"))
+        n:
+        dict(manifest[n],
+             tests=list(manifest[n]["tests"]),
+             updates=list(manifest[n].get("updates", [])),
+             at=manifest[n].get("at", "HEAD"))
         for n in numbers
     }
 
@@ -560,7 +569,10 @@ def imported_helpers(test_files, source, rev="HEAD"):
     helpers), in a stable order; upstream's harness modules are left to upstream."""
     found, queue = [], list(test_files)
     while queue:
-        text = committed_text(source, queue.pop(0), rev)
+        rel = queue.pop(0)
+        text = committed_text(source, rel, rev)
+        if text is None:
+            raise PatchError(f"{rel} is not committed in {source} at {rev}")
         for package, names, module in UNIT_IMPORT.findall(text):
             candidates = [module] if module else [package] + [
                 f"{package}.{name.strip()}" for name in names.replace("(", " ").replace(")", " ").split(",")
@@ -602,11 +614,14 @@ def branch_name(patch, prefix):
     return prefix + Path(patch).name[:-len(".patch")]
 
 
-def depends_legend(message, number, series, prefix):
+def depends_legend(message, number, series, prefix, titles):
     """For upstream readers: where this branch sits in the stack, and the patches the text names by number, with
-    their titles and branches."""
+    their titles (a tests.toml title where there is one) and branches."""
     numbers = [patch_number(p) for p in series]
-    subjects = {patch_number(p): (series_message(p).splitlines()[0], branch_name(p, prefix)) for p in series}
+    subjects = {
+        patch_number(p): (titles.get(patch_number(p)) or series_message(p).splitlines()[0], branch_name(p, prefix))
+        for p in series
+    }
     position = numbers.index(number)
     if position == 0:
         return ""
@@ -614,19 +629,19 @@ def depends_legend(message, number, series, prefix):
     previous = numbers[position - 1]
     lines = [f"- {n}: {subjects[n][0]} (branch `{subjects[n][1]}`)" for n in named]
     return (f"This pull request is one of a stack: its branch `{subjects[number][1]}` builds on "
-            f"`{subjects[previous][1]}` ({previous}, the patch before it): open it against that branch, where its "
-            f"diff is this change alone, or against master once that one is merged." +
+            f"`{subjects[previous][1]}` ({previous}, the patch before it), its own pull request. Until that one is "
+            f"merged this one also shows the commits below it: review only its top commit, named as its title." +
             ("\nPatches named here by number:\n" + "\n".join(lines) if lines else ""))
 
 
-def pr_description(message, number, series, prefix, title=None):
+def pr_description(message, number, series, prefix, titles):
     """The patch message as the pull request's description: fork-only lines dropped, a legend of the patch
     numbers it names right after its `Depends on` paragraph, and the title from patches/tests.toml if it has one."""
     lines = [line for line in message.splitlines() if not any(p.fullmatch(line) for p in FORK_ONLY_LINES)]
-    if title:
-        lines[0] = title
+    if titles.get(number):
+        lines[0] = titles[number]
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
-    legend = depends_legend(text, number, series, prefix)
+    legend = depends_legend(text, number, series, prefix, titles)
     if legend:
         paragraphs = text.split("\n\n")
         at = next((i + 1 for i, p in enumerate(paragraphs) if p.startswith("Depends on")), 1)
@@ -640,11 +655,18 @@ def branch_test_files(entry, number, placed, source):
     own tests, the earlier branches' tests it updates (`updates`), and the unit.* helpers they import that no
     earlier branch placed, or placed with other text. `placed` holds what the earlier branches carry."""
     rev = entry["at"]
+    if subprocess.run(["git", "-C", str(source), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                      capture_output=True).returncode != 0:
+        raise PatchError(f"patches/tests.toml [{number}]: at = \"{rev}\" is not a commit of {source}")
+    again = [f for f in entry["tests"] if f in placed]
+    if again:
+        raise PatchError(f"patches/tests.toml [{number}] lists {', '.join(again)} under `tests`, which an earlier "
+                         f"patch's branch already carries: list it under `updates` to carry this patch's change")
     not_placed = [f for f in entry["updates"] if f not in placed]
     if not_placed:
         raise PatchError(f"patches/tests.toml [{number}] updates {', '.join(not_placed)}, which no earlier patch's "
                          f"tests list: name it under `tests`")
-    files = [f for f in entry["tests"] if f not in placed] + entry["updates"]
+    files = entry["tests"] + entry["updates"]
     files += [h for h in imported_helpers(files, source, rev) if h not in files]
     texts = {}
     for rel in files:
@@ -682,13 +704,38 @@ def apply_upstream_test_update(worktree, patches_dir, number):
     return diff
 
 
+def symlinks(worktree, rev):
+    """The paths that are symbolic links in upstream's tree at rev (deepspeed/ops/csrc -> ../../csrc, ...)."""
+    entries = git(worktree, "ls-tree", "-r", rev).splitlines()
+    return [e.split("\t", 1)[1] for e in entries if e.startswith("120000 ")]
+
+
+def without_linked_copies(patch_text, links):
+    """The patch without the changes to files under a path upstream's git has as a symbolic link: the sdist the
+    series is made on holds copies there (deepspeed/ops/csrc/... besides csrc/...), upstream only the link, so
+    the change to the real file is the whole change."""
+    head, *sections = re.split(r"(?m)^(?=diff --git )", patch_text)
+    kept = [
+        sec for sec in sections
+        if not any(sec.split(" b/", 1)[0][len("diff --git a/"):].startswith(link + "/") for link in links)
+    ]
+    if kept and len(kept) < len(sections) and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    return head + "".join(kept)
+
+
 def am_three_way(worktree, patch, base):
-    """Apply one patch as a commit; on a conflict, abort and name the patch and its conflicting files."""
-    proc = subprocess.run(
-        ["git", "-C", str(worktree), "am", "--quiet", "-3", "--keep-cr",
-         str(Path(patch).resolve())],
-        capture_output=True,
-        text=True)
+    """Apply one patch as a commit, signed off by the checkout's identity (upstream checks DCO sign-offs); on a
+    conflict, abort and name the patch and its conflicting files."""
+    text = without_linked_copies(Path(patch).read_text(), symlinks(worktree, "HEAD"))
+    with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as f:
+        f.write(text)
+    try:
+        proc = subprocess.run(["git", "-C", str(worktree), "am", "--quiet", "-3", "--keep-cr", f.name],
+                              capture_output=True,
+                              text=True)
+    finally:
+        os.unlink(f.name)
     if proc.returncode == 0:
         return
     conflicts = git(worktree, "diff", "--name-only", "--diff-filter=U", check=False).split()
@@ -699,14 +746,17 @@ def am_three_way(worktree, patch, base):
                      f"pass --base with an upstream commit it applies to.")
 
 
-def committer_env(checkout):
-    """The checkout's own identity commits the branches; a fixed one where it has none configured."""
-    if git(checkout, "config", "user.email", check=False):
-        return {}
-    return {k: v for k, v in GIT_ENV.items() if k.startswith("GIT_COMMITTER_") and not k.endswith("DATE")}
+def require_identity(checkout):
+    """The one who sends the pull requests authors and signs off their commits: refuse a checkout without a name
+    and email (git config, or GIT_AUTHOR_/GIT_COMMITTER_ variables) rather than invent one."""
+    for role in ("AUTHOR", "COMMITTER"):
+        if not (os.environ.get(f"GIT_{role}_EMAIL") or git(checkout, "config", "user.email", check=False)):
+            raise PatchError(f"{checkout} has no git identity: set yours (git -C {checkout} config user.name ...; "
+                             f"git -C {checkout} config user.email ...); it authors and signs off every branch's "
+                             f"commit")
 
 
-def build_branch(worktree, patch, tip, files, title, args):
+def build_branch(worktree, patch, tip, files, args):
     """The branch of one patch: the patch commit on `tip`, with its tests and upstream-test update folded in and
     the pull-request description as its message. Returns what was added."""
     number = patch_number(patch)
@@ -717,11 +767,12 @@ def build_branch(worktree, patch, tip, files, title, args):
                          f"series), or pass --base with an upstream commit before it")
     place_tests(worktree, args.base_ref, files)
     diff = apply_upstream_test_update(worktree, args.patches, number)
-    message = pr_description(series_message(patch), number, read_series(args.patches), args.prefix, title)
+    message = pr_description(series_message(patch), number, read_series(args.patches), args.prefix, args.titles)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(message)
     try:
-        git(worktree, "commit", "--quiet", "--amend", "--no-verify", "-F", f.name, env=committer_env(worktree))
+        # The one sending the pull request authors and signs off its commit (upstream checks DCO sign-offs).
+        git(worktree, "commit", "--quiet", "--amend", "--no-verify", "--reset-author", "--signoff", "-F", f.name)
     finally:
         os.unlink(f.name)
     name = branch_name(patch, args.prefix)
@@ -738,11 +789,19 @@ def cmd_branches(args):
     if not (checkout / ".git").exists():
         raise PatchError(f"{checkout} is not a git checkout of upstream DeepSpeed")
     series = read_series(args.patches)
+    if not series:
+        raise PatchError(f"{Path(args.patches) / SERIES} lists no patches")
+    uncommitted = git(args.source, "status", "--porcelain", "--", str(Path(args.patches).resolve()), check=False)
+    if uncommitted:
+        raise PatchError(f"{args.patches} has uncommitted changes; the branches take patches and tests as "
+                         f"committed: commit them first\n{uncommitted}")
     tests = read_tests_manifest(args.patches, series)
+    args.titles = {n: entry.get("title") for n, entry in tests.items()}
     names = [branch_name(p, args.prefix) for p in series]
     taken = existing_branches(checkout, names)
     if taken and not args.force:
         raise PatchError(f"{checkout} already has {', '.join(taken)}; --force rewrites them")
+    require_identity(checkout)
     base = git(checkout, "rev-parse", "--verify", f"{args.base}^{{commit}}")
     ensure_series_objects(checkout, args.fork, args.patches)
     args.base_ref, args.on = base, args.base
@@ -754,7 +813,7 @@ def cmd_branches(args):
             entry = tests[patch_number(patch)]
             files = branch_test_files(entry, patch_number(patch), placed, args.source)
             placed.update(files)
-            name, diff = build_branch(worktree, patch, tip, files, entry.get("title"), args)
+            name, diff = build_branch(worktree, patch, tip, files, args)
             args.on = name
             tip = git(worktree, "rev-parse", "HEAD")
             print(f"{name}: {Path(patch).name}" + (f" + {len(files)} test files" if files else "") +

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 import io
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from unit.env import extensions_dir  # noqa: E402
 PY = sys.executable
 LOCK = "/tmp/cpu.lock"
 DEVICES = 4  # the most ranks a chosen file's test uses
+HANG_MARGIN_S = 300  # beyond a test's own timeout, how long a run may show no progress before it is ended
 TREES = {"pristine": ROOT / "pristine", "fork": ROOT / "fork"}
 UPDATES = ROOT / "patches" / "upstream-tests"
 # The areas the series touches: checkpointing (0002-0007), ZeRO-3 and ZeRO-1/2 (0001, 0003, 0006, 0007),
@@ -182,26 +184,43 @@ def run_file(label, scratch, test_file, out, timeout, only=None):
         cmd += ["-p", "upstream_tests_plugin", "-p", "no:cacheprovider", "-o", "addopts=", "-q"]
         cmd += [f"--timeout={timeout}", "--timeout-method=thread"]
         cmd += [f"--deselect={nodeid}" for nodeid in done]
-        # A new session, so that the ranks of a test killed by the timeout can be ended with it.
-        proc = subprocess.Popen(cmd,
-                                cwd=scratch / "tests",
-                                env=tree_env(tree, log, timeout),
-                                start_new_session=True,
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT,
-                                text=True)
-        try:
-            output = proc.communicate()[0]
-        finally:  # also when this runner is stopped: the test's process group has a session of its own
-            kill_group(proc.pid)
+        out_file = log.with_suffix(".out")  # pytest's own output, for the tracebacks
+        start = out_file.stat().st_size if out_file.exists() else 0
+        with open(out_file, "a") as out_stream:
+            # A new session, so that the ranks of a test killed by the timeout can be ended with it.
+            proc = subprocess.Popen(cmd,
+                                    cwd=scratch / "tests",
+                                    env=tree_env(tree, log, timeout),
+                                    start_new_session=True,
+                                    stdout=out_stream,
+                                    stderr=subprocess.STDOUT)
+            try:
+                wait_while_active(proc, log, idle_limit=timeout + HANG_MARGIN_S)
+            finally:  # also when this runner is stopped: the test's process group has a session of its own
+                kill_group(proc.pid)
+        with open(out_file) as f:
+            output = f.read()[start:]
         now = outcomes_from_log(log)
-        with open(log.with_suffix(".out"), "a") as f:  # pytest's own output, for the tracebacks
-            f.write(output)
         if all(now[n]["outcome"] != "timeout" for n in set(now) - set(done)):  # ran to the end
             if not now:  # collection failed: the whole file counts as one error
                 now = {test_file: {"outcome": "error", "detail": output[-2000:], "duration": 0.0}}
             return now
         print(f"  {tree}: a test timed out; running the rest of {test_file}", flush=True)
+
+
+def wait_while_active(proc, log, idle_limit):
+    """Wait for pytest to end; give up when its log has not moved for idle_limit seconds: pytest-timeout ends a
+    hung test, not a hang in collection, a fixture's teardown or the worker pool's shutdown."""
+    last_change = time.time()
+    seen = None
+    while proc.poll() is None:
+        stamp = log.stat().st_mtime if log.exists() else None
+        if stamp != seen:
+            seen, last_change = stamp, time.time()
+        elif time.time() - last_change > idle_limit:
+            print(f"  no progress for {idle_limit} s outside any test's timeout: ending pytest", flush=True)
+            return
+        time.sleep(5)
 
 
 def kill_group(pgid):
@@ -238,7 +257,10 @@ def regressions(all_results, files, base="pristine", new="fork"):
     for f in files:
         old, cur = all_results.get(base, {}).get(f, {}), all_results.get(new, {}).get(f, {})
         for nodeid, r in sorted(cur.items()):
-            if old.get(nodeid, {}).get("outcome") == "passed" and r["outcome"] != "passed":
+            # A file that new cannot even collect is keyed by the file alone: it counts where base passed any test.
+            passed_before = (old.get(nodeid, {}).get("outcome") == "passed" if "::" in nodeid else any(
+                o["outcome"] == "passed" for o in old.values()))
+            if passed_before and r["outcome"] != "passed":
                 found.append((nodeid, r))
     return found
 
@@ -270,7 +292,10 @@ def run_tree(args, state, tree, scratch, test_file):
     if tree == "fork+updated" or (args.quick and tree == "pristine"):
         fork = state["results"].get("fork", {}).get(test_file, {})
         only = sorted(n for n, r in fork.items() if r["outcome"] not in ("passed", "skipped") and "::" in n)
-        if not only:
+        uncollected = any("::" not in n for n in fork)  # the fork could not collect it: pristine runs it whole
+        if uncollected and tree == "pristine":
+            only = None
+        elif not only:
             return
     print(f"{tree}: {test_file}" + (f" ({len(only)} tests the fork does not pass)" if only else ""), flush=True)
     res = run_file(tree, scratch, test_file, args.out, args.timeout, only)

@@ -4,6 +4,7 @@
 Our tests' failures always count; a failure of an upstream test file the patch updates counts unless pristine
 0.19.8 fails that test too (the snapshot's version skew)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,42 +22,76 @@ def test_files_to_run_are_the_manifests_and_the_upstream_updates():
     assert branch_tests.files_to_run(entry, "0001")[1] == []
 
 
-def outcome(o):
-    return {"outcome": o, "detail": f"{o} here", "duration": 1.0}
+def outcome(o, exception="AssertionError: x"):
+    return {
+        "outcome": o,
+        "detail": f"    assert x\nE   {exception}\n\nfile.py:3: {exception.split(':')[0]}",
+        "duration": 1.0
+    }
 
 
 def test_only_upstream_failures_that_pristine_shares_are_skew(capsys):
     up = "unit/checkpoint/test_autotp_uc_checkpoint.py"
+    ours, idle = "unit/checkpoint/test_x.py", "unit/checkpoint/test_idle.py"
     state = {
         "pristine": {
             up: {
                 f"{up}::test_skewed": outcome("failed"),
-                f"{up}::test_changed": outcome("passed")
+                f"{up}::test_changed": outcome("passed"),
+                f"{up}::test_other_cause": outcome("failed", "KeyError: 'y'"),
+                f"{up}::test_skipped_there": outcome("skipped"),
             },
-            "unit/checkpoint/test_x.py": {
-                "unit/checkpoint/test_x.py::test_ours": outcome("failed")
+            ours: {
+                f"{ours}::test_ours": outcome("failed")
             },
         },
         "branches": {
             "0005": {
                 "branch": "ds-fork/0005-x",
+                "commit": "0123456789abcdef",
                 "upstream_files": [up],
                 "results": {
                     up: {
                         f"{up}::test_skewed": outcome("failed"),
                         f"{up}::test_changed": outcome("failed"),
+                        f"{up}::test_other_cause": outcome("failed"),
+                        f"{up}::test_skipped_there": outcome("failed"),
                         f"{up}::test_fine": outcome("passed")
                     },
-                    "unit/checkpoint/test_x.py": {
-                        "unit/checkpoint/test_x.py::test_ours": outcome("timeout")
+                    ours: {
+                        f"{ours}::test_ours": outcome("timeout"),
+                        f"{ours}::test_fine": outcome("passed")
+                    },
+                    idle: {
+                        f"{idle}::test_needs_4_devices": outcome("skipped")
                     },
                 },
             }
         },
     }
     failures = branch_tests.report(state)
-    assert sorted(nodeid for _, nodeid, _ in failures) == [
-        f"{up}::test_changed", "unit/checkpoint/test_x.py::test_ours"
-    ]
+    assert sorted(nodeid for _, nodeid, _ in failures) == sorted(
+        [idle, f"{up}::test_changed", f"{up}::test_other_cause", f"{up}::test_skipped_there", f"{ours}::test_ours"])
     table = capsys.readouterr().out
-    assert f"| 0005 | `{up}` | 1 | 2 | 0 | 0 | 1 |" in table
+    assert f"| 0005 | 0123456789ab | `{up}` | 1 | 4 | 0 | 0 | 1 |" in table
+
+
+def test_a_branch_tree_keeps_the_mtimes_of_unchanged_files(tmp_path):
+    """The next branch's tree replaces the previous one in place: unchanged files keep their mtime (no op
+    rebuild), changed ones are rewritten (ninja rebuilds them), removed ones go, links stay links."""
+    old, new, tree = tmp_path / "old", tmp_path / "new", tmp_path / "tree"
+    for root, shm in ((old, "int a = 1;"), (new, "int a = 2;")):
+        (root / "csrc").mkdir(parents=True)
+        (root / "csrc" / "adam.cpp").write_text("adam")
+        (root / "csrc" / "shm.cpp").write_text(shm)
+        (root / "ops").mkdir()
+        os.symlink("../csrc", root / "ops" / "csrc")
+    (old / "csrc" / "gone.cpp").write_text("gone")
+    branch_tests.sync_tree(old, tree)
+    for name in ("adam.cpp", "shm.cpp"):
+        os.utime(tree / "csrc" / name, (1, 1))
+    branch_tests.sync_tree(new, tree)
+    assert (tree / "csrc" / "adam.cpp").stat().st_mtime == 1
+    assert (tree / "csrc" / "shm.cpp").stat().st_mtime > 1 and (tree / "csrc" / "shm.cpp").read_text() == "int a = 2;"
+    assert not (tree / "csrc" / "gone.cpp").exists()
+    assert os.readlink(tree / "ops" / "csrc") == "../csrc"

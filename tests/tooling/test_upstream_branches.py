@@ -46,6 +46,9 @@ def commit(repo, message, files):
 UPSTREAM = {
     "deepspeed/engine.py": "".join(f"line {i}\n" for i in range(1, 21)),
     "deepspeed/stage3.py": "a = 1\n",
+    # the sdist copies csrc/ into deepspeed/ops/csrc/, where upstream's git has a symbolic link
+    "csrc/shm.cpp": "int a = 1;\n",
+    "deepspeed/ops/csrc/shm.cpp": "int a = 1;\n",
     "tests/unit/common.py": "# upstream's harness\n",
     "tests/unit/checkpoint/test_upstream.py": "def test_old():\n    assert 'old' == 'old'\n",
 }
@@ -70,7 +73,16 @@ def scratch(tmp_path):
     commit(fork, "upstream", UPSTREAM)
     git(fork, "tag", "upstream")
     engine = UPSTREAM["deepspeed/engine.py"].replace("line 2\n", "line 2 fixed\n")
-    patch_files = {"0001": {"deepspeed/engine.py": engine}, "0002": {"deepspeed/stage3.py": "a = 2\n"}}
+    patch_files = {
+        "0001": {
+            "deepspeed/engine.py": engine
+        },
+        "0002": {
+            "deepspeed/stage3.py": "a = 2\n",
+            "csrc/shm.cpp": "int a = 2;\n",
+            "deepspeed/ops/csrc/shm.cpp": "int a = 2;\n"
+        }
+    }
     patches.mkdir()
     names = []
     for number, files in patch_files.items():
@@ -146,7 +158,8 @@ def test_one_stacked_branch_per_patch(scratch):
     # the upstream-test update on its own patch's branch only
     files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
     assert files == [
-        "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py", "tests/unit/checkpoint/test_upstream.py"
+        "csrc/shm.cpp", "deepspeed/ops/csrc/shm.cpp", "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py",
+        "tests/unit/checkpoint/test_upstream.py"
     ]
     assert "'new'" in show(checkout, second, "tests/unit/checkpoint/test_upstream.py")
     assert "'old'" in show(checkout, first, "tests/unit/checkpoint/test_upstream.py")
@@ -159,6 +172,10 @@ def test_one_stacked_branch_per_patch(scratch):
         assert "tools/cells.py" not in text and "From the test run" not in text and "fork/" not in text
     assert "stack" not in first_text
     assert f"builds on `{first}`" in second_text and f"- 0001: ZeRO-3: first fix (branch `{first}`)" in second_text
+    # authored and signed off by the one sending them (upstream checks DCO sign-offs)
+    for branch, text in ((first, first_text), (second, second_text)):
+        assert text.rstrip().endswith("Signed-off-by: t <t@localhost>")
+        assert git(checkout, "log", "-1", "--format=%an <%ae>", branch) == "t <t@localhost>"
     # the user's checkout is as it was, and a second run needs --force
     assert git(checkout, "status", "--porcelain") == "" and git(checkout, "rev-parse", "--abbrev-ref",
                                                                 "HEAD") == "master"
@@ -181,7 +198,11 @@ def test_a_conflict_stops_at_the_patch_naming_its_files(scratch):
 
 def test_a_patch_upstream_already_has_is_refused(scratch):
     fork, patches, source, checkout = scratch
-    commit(checkout, "upstream took the second fix", {"deepspeed/stage3.py": "a = 2\n"})
+    commit(checkout, "upstream took the second fix", {
+        "deepspeed/stage3.py": "a = 2\n",
+        "csrc/shm.cpp": "int a = 2;\n",
+        "deepspeed/ops/csrc/shm.cpp": "int a = 2;\n"
+    })
     result = branches(*scratch)
     assert result.returncode != 0 and "0002-second-fix.patch changes nothing" in result.stderr
 
@@ -225,11 +246,45 @@ def test_a_later_patch_updates_an_earlier_patchs_tests(scratch):
     assert show(checkout, second, "tests/unit/tiny_helpers.py").endswith("model = 2")
     files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
     assert files == [
-        "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py", "tests/unit/checkpoint/test_upstream.py",
-        "tests/unit/tiny_helpers.py", "tests/unit/v1/zero/test_first.py"
+        "csrc/shm.cpp", "deepspeed/ops/csrc/shm.cpp", "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py",
+        "tests/unit/checkpoint/test_upstream.py", "tests/unit/tiny_helpers.py", "tests/unit/v1/zero/test_first.py"
     ]
     # an update of a file no earlier patch carries is a manifest mistake, named
     (patches / "tests.toml").write_text('[0001]\ntests = []\n\n[0002]\ntests = []\n'
                                         'updates = ["tests/unit/v1/zero/test_first.py"]\n')
     result = branches(*scratch, "--force")
     assert result.returncode != 0 and "which no earlier patch's tests list" in result.stderr
+
+
+def test_a_change_to_a_linked_copy_goes_to_the_real_file_only(scratch):
+    """Upstream's git has deepspeed/ops/csrc as a link to ../../csrc where the sdist has a copy: the branch changes
+    csrc/ alone (the patch's hunks for the copy would not apply over a link)."""
+    fork, patches, source, checkout = scratch
+    git(checkout, "rm", "--quiet", "-r", "deepspeed/ops/csrc")
+    (checkout / "deepspeed" / "ops").mkdir(exist_ok=True)  # git rm took the emptied folder
+    os.symlink("../../csrc", checkout / "deepspeed" / "ops" / "csrc")
+    git(checkout, "add", "deepspeed/ops/csrc")
+    git(checkout, "commit", "--quiet", "-m", "upstream links the csrc copy")
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    second = PREFIX + "0002-second-fix"
+    files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
+    assert "csrc/shm.cpp" in files and "deepspeed/ops/csrc/shm.cpp" not in files
+    assert show(checkout, second, "csrc/shm.cpp") == "int a = 2;"
+    assert git(checkout, "ls-tree", second, "deepspeed/ops/csrc").startswith("120000 ")
+
+
+@pytest.mark.parametrize("manifest, error", [
+    ('[0001]\ntest = ["tests/unit/v1/zero/test_first.py"]\n\n[0002]\ntests = []\n', "unknown keys test"),
+    ('[0001]\ntitle = "x"\n\n[0002]\ntests = []\n', "[0001]: no `tests`"),
+    ('[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\n\n[0002]\ntests = ["tests/unit/v1/zero/test_first.py"]\n',
+     "list it under `updates`"),
+    ('[0001]\ntests = ["tests/unit/v1/zero/test_gone.py"]\n\n[0002]\ntests = []\n', "test_gone.py is not committed"),
+    ('[0001]\ntests = []\nat = "0123456789abcdef"\n\n[0002]\ntests = []\n', "is not a commit of"),
+])
+def test_a_manifest_mistake_is_named(scratch, manifest, error):
+    fork, patches, source, checkout = scratch
+    (patches / "tests.toml").write_text(manifest)
+    result = branches(*scratch)
+    assert result.returncode != 0 and error in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

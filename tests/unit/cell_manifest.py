@@ -13,6 +13,7 @@ ALIAS = "unit/v1/zero/test_zero3_master_alias.py"
 SERIAL = "unit/checkpoint/test_zero3_serial_load.py"
 ZERO3 = "unit/checkpoint/test_zero_resume_fp32_masters.py"
 AUTOTP = "unit/checkpoint/test_universal_zero3_autotp.py"
+ONE_FORMAT = "unit/checkpoint/test_universal_one_format.py"
 ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
@@ -44,11 +45,13 @@ CELLS = {
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[1-converted]": dict(layout="dp2->dp2"),
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[1-bare_0198]": dict(layout="dp2->dp2"),
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[2-bare_0198]": dict(layout="dp2->tp2"),
-    f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_zero1_loads_bare_tensor_folder": dict(stage=1, layout="dp2->dp2"),
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_hf_llama_restores_bitwise_under_autotp": dict(layout="dp2->tp2"),
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_bad_folder_refused_on_every_rank": dict(layout="dp2->tp2"),
     f"{AUTOTP}::TestLayoutRoundTrip::test_layout_round_trip[dp2]": dict(layout="dp2->tp2->dp2"),
     f"{AUTOTP}::TestLayoutRoundTrip::test_layout_round_trip[dp4]": dict(layout="dp4->tp2xdp2->dp4"),
+    # 0005: one universal state file format
+    ONE_FORMAT: dict(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal", layout="dp2->dp2"),
+    f"{ONE_FORMAT}::TestUniversalOneFormat::test_zero1_loads_bare_tensor_folder": dict(stage=1),
     # 0006: ZeRO-1/2 fresh-optimizer resume
     ZERO12: dict(feature="resume", offload="none", checkpoint="rigid", layout="none"),
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_missing_shards":

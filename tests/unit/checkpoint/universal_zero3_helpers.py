@@ -210,12 +210,14 @@ def edit_state_file(save_dir, tag, param_name, state, edit):
 
 def assert_one_format(save_dir, tag, saved):
     """Every state file of the converted folder holds a dict with the tensor, in the parameter's
-    own shape, under `param`: the format every other conversion path writes."""
+    own shape, under `param` (the format every other conversion path writes), equal to the saved
+    tensor bit for bit."""
     for name, entry in saved.items():
         for key in entry:
             content = torch.load(os.path.join(save_dir, tag, "zero", name, f"{key}.pt"), weights_only=False)
             assert isinstance(content, dict), f"{name}/{key}.pt holds a {type(content).__name__}"
             assert content[PARAM].shape == entry[key].shape, (name, key, content[PARAM].shape)
+            assert torch.equal(content[PARAM].cpu(), entry[key].cpu()), (name, key)
 
 
 def rewrite_as_bare_tensors(save_dir, tag):
