@@ -21,6 +21,7 @@ import argparse
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,9 +90,10 @@ def build_ops(tree):
 
 
 def exception_line(detail):
-    """The exception pytest reports last (`E   SomeError: ...`), the part of a failure that tells causes apart."""
-    lines = [line for line in detail.splitlines() if line.startswith("E ")]
-    return lines[-1].strip() if lines else detail.strip().splitlines()[-1:]
+    """The exception pytest reports last (`E   SomeError: ...`), the part of a failure that tells causes apart,
+    with numbers masked (memory sizes, ranks and ports differ from run to run)."""
+    lines = [line for line in detail.splitlines() if line.startswith("E ")] or detail.strip().splitlines()[-1:]
+    return re.sub(r"\d+", "#", lines[-1].strip()) if lines else ""
 
 
 def skew(pristine, test_file, nodeid, result):
