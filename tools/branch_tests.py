@@ -51,8 +51,9 @@ def sync_tree(src, dest):
     wanted = {p.relative_to(src) for p in src.rglob("*")}
     for path in sorted(dest.rglob("*"), reverse=True):  # children first
         rel = path.relative_to(dest)
-        if rel not in wanted or path.is_symlink() != (src / rel).is_symlink() or (path.is_dir()
-                                                                                  and not (src / rel).is_dir()):
+        source = src / rel
+        if (rel not in wanted or path.is_symlink() != source.is_symlink()
+                or (not path.is_symlink() and path.is_dir() != source.is_dir())):
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     for rel in sorted(wanted):
         source, target = src / rel, dest / rel
@@ -66,6 +67,14 @@ def sync_tree(src, dest):
             target.unlink(missing_ok=True)
             shutil.copyfile(source, target)
             shutil.copymode(source, target)
+
+
+def branch_commit(checkout, branch):
+    """The branch's commit now, or None where it is gone: saved results of another commit are not its results."""
+    proc = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--verify", "--quiet", branch],
+                          capture_output=True,
+                          text=True)
+    return proc.stdout.strip() or None
 
 
 def files_to_run(entry, number):
@@ -93,7 +102,7 @@ def exception_line(detail):
     """The exception pytest reports last (`E   SomeError: ...`), the part of a failure that tells causes apart,
     with numbers masked (memory sizes, ranks and ports differ from run to run)."""
     lines = [line for line in detail.splitlines() if line.startswith("E ")] or detail.strip().splitlines()[-1:]
-    return re.sub(r"\d+", "#", lines[-1].strip()) if lines else ""
+    return re.sub(r"(?<![\w.])\d+(?:\.\d+)?\b", "#", lines[-1].strip()) if lines else ""
 
 
 def skew(pristine, test_file, nodeid, result):
@@ -156,7 +165,11 @@ def main():
     manifest = read_tests_manifest(PATCHES, series)
     # Results of patches no longer in the series, or of a run of other branches, are not this series' results.
     numbers = [patch_number(p) for p in series]
-    state["branches"] = {n: r for n, r in state["branches"].items() if n in numbers and r.get("prefix") == args.prefix}
+    state["branches"] = {
+        n: r
+        for n, r in state["branches"].items() if n in numbers and r.get("prefix") == args.prefix
+        and r.get("commit") == branch_commit(args.upstream, r["branch"])
+    }
     tree = args.out / "tree"
     ut.TREES[TREE] = tree
     for patch in series:
@@ -164,10 +177,7 @@ def main():
         if args.only and number not in args.only:
             continue
         branch = branch_name(patch, args.prefix)
-        commit = subprocess.run(["git", "-C", str(args.upstream), "rev-parse", "--verify", branch],
-                                capture_output=True,
-                                text=True,
-                                check=True).stdout.strip()
+        commit = branch_commit(args.upstream, branch)
         ours, upstream_files = files_to_run(manifest[number], number)
         print(f"{branch}: {', '.join(ours + upstream_files) or 'no tests'}", flush=True)
         with ut.cpu_lock():

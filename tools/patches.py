@@ -715,13 +715,26 @@ def without_linked_copies(patch_text, links):
     series is made on holds copies there (deepspeed/ops/csrc/... besides csrc/...), upstream only the link, so
     the change to the real file is the whole change."""
     head, *sections = re.split(r"(?m)^(?=diff --git )", patch_text)
-    kept = [
-        sec for sec in sections
-        if not any(sec.split(" b/", 1)[0][len("diff --git a/"):].startswith(link + "/") for link in links)
-    ]
+
+    def under_a_link(section):
+        paths = re.match(r"diff --git a/(\S+) b/(\S+)", section).groups()
+        return any(p == link or p.startswith(link + "/") for p in paths for link in links)
+
+    kept = [sec for sec in sections if not under_a_link(sec)]
+    for dropped in (sec for sec in sections if under_a_link(sec)):
+        if hunks(dropped) not in [hunks(sec) for sec in kept]:
+            path = re.match(r"diff --git a/(\S+)", dropped).group(1)
+            raise PatchError(f"the patch changes {path}, under a path upstream's git has as a symbolic link, "
+                             f"without the same change to the file the link points to: make the change there")
     if kept and len(kept) < len(sections) and not kept[-1].endswith("\n"):
         kept[-1] += "\n"
     return head + "".join(kept)
+
+
+def hunks(section):
+    """A file's change without its header lines (paths, index), to tell a copy's change from the original's."""
+    at = section.find("\n@@")
+    return section[at:] if at >= 0 else section
 
 
 def am_three_way(worktree, patch, base):
@@ -746,11 +759,20 @@ def am_three_way(worktree, patch, base):
                      f"pass --base with an upstream commit it applies to.")
 
 
+def uncommitted_series(patches_dir):
+    """`git status` of the series folder in its own repository (the branches take patches and tests as committed);
+    a folder outside any repository counts as uncommitted as a whole."""
+    proc = subprocess.run(["git", "-C", str(patches_dir), "status", "--porcelain", "--", "."],
+                          capture_output=True,
+                          text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else f"{patches_dir} is not in a git repository"
+
+
 def require_identity(checkout):
     """The one who sends the pull requests authors and signs off their commits: refuse a checkout without a name
     and email (git config, or GIT_AUTHOR_/GIT_COMMITTER_ variables) rather than invent one."""
-    for role in ("AUTHOR", "COMMITTER"):
-        if not (os.environ.get(f"GIT_{role}_EMAIL") or git(checkout, "config", "user.email", check=False)):
+    for role, key in (("AUTHOR", "NAME"), ("AUTHOR", "EMAIL"), ("COMMITTER", "NAME"), ("COMMITTER", "EMAIL")):
+        if not (os.environ.get(f"GIT_{role}_{key}") or git(checkout, "config", f"user.{key.lower()}", check=False)):
             raise PatchError(f"{checkout} has no git identity: set yours (git -C {checkout} config user.name ...; "
                              f"git -C {checkout} config user.email ...); it authors and signs off every branch's "
                              f"commit")
@@ -791,7 +813,7 @@ def cmd_branches(args):
     series = read_series(args.patches)
     if not series:
         raise PatchError(f"{Path(args.patches) / SERIES} lists no patches")
-    uncommitted = git(args.source, "status", "--porcelain", "--", str(Path(args.patches).resolve()), check=False)
+    uncommitted = uncommitted_series(args.patches)
     if uncommitted:
         raise PatchError(f"{args.patches} has uncommitted changes; the branches take patches and tests as "
                          f"committed: commit them first\n{uncommitted}")
@@ -808,11 +830,12 @@ def cmd_branches(args):
     worktree = Path(tempfile.mkdtemp(prefix="ds-fork-branches-")) / "tree"
     git(checkout, "worktree", "add", "--quiet", "--detach", str(worktree), base)
     try:
-        tip, placed = base, {}
-        for patch in series:
-            entry = tests[patch_number(patch)]
-            files = branch_test_files(entry, patch_number(patch), placed, args.source)
+        tip, placed, plan = base, {}, []
+        for patch in series:  # every manifest mistake before any branch is written
+            files = branch_test_files(tests[patch_number(patch)], patch_number(patch), placed, args.source)
             placed.update(files)
+            plan.append((patch, files))
+        for patch, files in plan:
             name, diff = build_branch(worktree, patch, tip, files, args)
             args.on = name
             tip = git(worktree, "rev-parse", "HEAD")

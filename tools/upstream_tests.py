@@ -198,8 +198,9 @@ def run_file(label, scratch, test_file, out, timeout, only=None):
                 wait_while_active(proc, log, idle_limit=timeout + HANG_MARGIN_S)
             finally:  # also when this runner is stopped: the test's process group has a session of its own
                 kill_group(proc.pid)
-        with open(out_file) as f:
-            output = f.read()[start:]
+        with open(out_file, "rb") as f:  # the offset is in bytes
+            f.seek(start)
+            output = f.read().decode(errors="replace")
         now = outcomes_from_log(log)
         if all(now[n]["outcome"] != "timeout" for n in set(now) - set(done)):  # ran to the end
             if not now:  # collection failed: the whole file counts as one error
@@ -292,8 +293,8 @@ def run_tree(args, state, tree, scratch, test_file):
     if tree == "fork+updated" or (args.quick and tree == "pristine"):
         fork = state["results"].get("fork", {}).get(test_file, {})
         only = sorted(n for n, r in fork.items() if r["outcome"] not in ("passed", "skipped") and "::" in n)
-        uncollected = any("::" not in n for n in fork)  # the fork could not collect it: pristine runs it whole
-        if uncollected and tree == "pristine":
+        uncollected = any("::" not in n for n in fork)  # the fork could not collect it: run it whole
+        if uncollected:
             only = None
         elif not only:
             return

@@ -97,3 +97,21 @@ def test_a_branch_tree_keeps_the_mtimes_of_unchanged_files(tmp_path):
     assert (tree / "csrc" / "shm.cpp").stat().st_mtime > 1 and (tree / "csrc" / "shm.cpp").read_text() == "int a = 2;"
     assert not (tree / "csrc" / "gone.cpp").exists()
     assert os.readlink(tree / "ops" / "csrc") == "../csrc"
+
+
+def test_a_file_that_becomes_a_folder_and_back(tmp_path):
+    one, two, tree = tmp_path / "one", tmp_path / "two", tmp_path / "tree"
+    (one / "pkg").mkdir(parents=True)
+    (one / "pkg" / "mod").write_text("a file")
+    (two / "pkg" / "mod").mkdir(parents=True)
+    (two / "pkg" / "mod" / "__init__.py").write_text("a package")
+    for src, is_dir in ((one, False), (two, True), (one, False)):
+        branch_tests.sync_tree(src, tree)
+        assert (tree / "pkg" / "mod").is_dir() == is_dir
+    assert (tree / "pkg" / "mod").read_text() == "a file"
+
+
+def test_numbers_are_masked_but_not_inside_names():
+    assert branch_tests.exception_line("E   AssertionError: alloc=1024 [1]") == "E   AssertionError: alloc=# [#]"
+    assert branch_tests.exception_line(
+        "E   TypeError: fp16 and bf16 in stage3") == "E   TypeError: fp16 and bf16 in stage3"

@@ -91,6 +91,7 @@ def scratch(tmp_path):
         (patches / name).write_text(git(fork, *FORMAT_PATCH, "HEAD") + "\n")
         names.append(name)
     (patches / "series").write_text("".join(n + "\n" for n in names))
+    git(patches, "init", "--quiet")
     (patches / "tests.toml").write_text('[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\n\n'
                                         '[0002]\ntests = [\n    "tests/unit/checkpoint/test_second.py",\n]\n'
                                         'title = "ZeRO-3: second fix, whole scope"\n')
@@ -117,7 +118,11 @@ def scratch(tmp_path):
     return fork, patches, source, checkout
 
 
-def branches(fork, patches, source, checkout, *extra):
+def branches(fork, patches, source, checkout, *extra, commit_series=True):
+    """Run the verb; the series folder is committed first (the verb takes the series as committed)."""
+    if commit_series:
+        git(patches, "add", "--all")
+        git(patches, "commit", "--quiet", "--allow-empty", "-m", "series")
     return subprocess.run([
         sys.executable,
         str(TOOL), "--fork",
@@ -288,3 +293,29 @@ def test_a_manifest_mistake_is_named(scratch, manifest, error):
     result = branches(*scratch)
     assert result.returncode != 0 and error in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_uncommitted_series_is_refused(scratch):
+    fork, patches, source, checkout = scratch
+    assert branches(*scratch).returncode == 0  # committed
+    (patches / "tests.toml").write_text((patches / "tests.toml").read_text() + "# edited\n")
+    result = branches(*scratch, "--force", commit_series=False)
+    assert result.returncode != 0 and "uncommitted changes" in result.stderr and "tests.toml" in result.stderr
+
+
+def test_a_change_to_a_linked_copy_alone_is_refused(scratch):
+    """A change made only to the sdist's copy would vanish upstream, where the copy is a link: refused, named."""
+    fork, patches, source, checkout = scratch
+    patch = next(patches.glob("0002-*.patch"))
+    text = patch.read_text()
+    real = text.index("diff --git a/csrc/shm.cpp")
+    copy = text.index("diff --git a/deepspeed/ops/csrc/shm.cpp")
+    patch.write_text(text[:real] + text[copy:])  # the copy's change only
+    git(checkout, "rm", "--quiet", "-r", "deepspeed/ops/csrc")
+    (checkout / "deepspeed" / "ops").mkdir(exist_ok=True)
+    os.symlink("../../csrc", checkout / "deepspeed" / "ops" / "csrc")
+    git(checkout, "add", "deepspeed/ops/csrc")
+    git(checkout, "commit", "--quiet", "-m", "upstream links the csrc copy")
+    result = branches(*scratch)
+    assert result.returncode != 0
+    assert "deepspeed/ops/csrc/shm.cpp, under a path upstream's git has as a symbolic link" in result.stderr
