@@ -516,6 +516,8 @@ UPSTREAM_HARNESS = ("tests/unit/common.py", "tests/unit/util.py", "tests/unit/__
 UNIT_IMPORT = re.compile(r"^\s*(?:from\s+(unit(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]*)|import\s+(unit(?:\.\w+)+))",
                          re.M)
 # PR text: lines that only make sense in this repository (the cells tool and the run that filled its tables).
+# PR text: paragraphs that prove a test fails on an earlier version of the same patch, a history upstream never saw.
+EARLIER_VERSION = re.compile(r"(?m)^On the previous version of this patch\b.*(?:\n  .*)*\n?")
 FORK_ONLY_LINES = (re.compile(r"^Generated: tools/cells\.py\b.*$"),
                    re.compile(r"^From the test run finished .* against `fork/`\.$"),
                    re.compile(r".*\btools/cells\.py\b.*"))
@@ -629,14 +631,15 @@ def depends_legend(message, number, series, prefix, titles):
     previous = numbers[position - 1]
     lines = [f"- {n}: {subjects[n][0]} (branch `{subjects[n][1]}`)" for n in named]
     return (f"This pull request is one of a stack: its branch `{subjects[number][1]}` builds on "
-            f"`{subjects[previous][1]}` ({previous}, the patch before it), its own pull request. Until that one is "
-            f"merged this one also shows the commits below it: review only its top commit, named as its title." +
+            f"`{subjects[previous][1]}` (patch {previous}, in its own pull request). Until that one is merged this "
+            f"one also shows the commits below it: review only its top commit, named as its title." +
             ("\nPatches named here by number:\n" + "\n".join(lines) if lines else ""))
 
 
 def pr_description(message, number, series, prefix, titles):
     """The patch message as the pull request's description: fork-only lines dropped, a legend of the patch
     numbers it names right after its `Depends on` paragraph, and the title from patches/tests.toml if it has one."""
+    message = EARLIER_VERSION.sub("", message)
     lines = [line for line in message.splitlines() if not any(p.fullmatch(line) for p in FORK_ONLY_LINES)]
     if titles.get(number):
         lines[0] = titles[number]

@@ -56,6 +56,7 @@ MESSAGES = {
     "0001":
     "ZeRO-3: first fix\n\nDepends on: none.\n\nSummary\nFixes engine line 2.\n\nValidated\n"
     "Generated: tools/cells.py --feature first\n| feature | status |\n|---|---|\n| first | validated |\n\n"
+    "On the previous version of this patch: test_x failed\n  with an old error.\nAll pass with the patch.\n\n"
     "From the test run finished 2026-11-30 14:14:15 UTC against `fork/`.\n",
     "0002":
     "ZeRO-3: second fix\n\nDepends on: 0001 (its engine change).\n\nSummary\nFixes stage3; refresh with "
@@ -175,6 +176,8 @@ def test_one_stacked_branch_per_patch(scratch):
     assert "| first | validated |" in first_text
     for text in (first_text, second_text):
         assert "tools/cells.py" not in text and "From the test run" not in text and "fork/" not in text
+        assert "previous version" not in text and "old error" not in text
+    assert "All pass with the patch." in first_text
     assert "stack" not in first_text
     assert f"builds on `{first}`" in second_text and f"- 0001: ZeRO-3: first fix (branch `{first}`)" in second_text
     # authored and signed off by the one sending them (upstream checks DCO sign-offs)
