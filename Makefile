@@ -86,7 +86,8 @@ upstream-tests: setup pristine $(VENV)/.upstream-tests-stamp
 	$(VPY) tools/upstream_tests.py --upstream $(UPSTREAM) $(UPSTREAM_TESTS_ARGS)
 
 $(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-stamp
-	$(VPY) -m pip install --quiet -r requirements/upstream-tests.txt
+	rm -rf .cache/upstream-pytest
+	$(VPY) -m pip install --quiet --target .cache/upstream-pytest -r requirements/upstream-tests.txt
 	touch $@
 
 # One branch per patch, stacked in series order, in an upstream DeepSpeed checkout, each the patch with its tests and

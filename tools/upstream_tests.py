@@ -44,6 +44,8 @@ DEVICES = 4  # the most ranks a chosen file's test uses
 HANG_MARGIN_S = 300  # beyond a test's own timeout, how long a run may show no progress before it is ended
 TREES = {"pristine": ROOT / "pristine", "fork": ROOT / "fork"}
 UPDATES = ROOT / "patches" / "upstream-tests"
+# Upstream's pytest pin, installed apart (requirements/upstream-tests.txt): first on PYTHONPATH for these runs.
+UPSTREAM_PYTEST = ROOT / ".cache" / "upstream-pytest"
 # The areas the series touches: checkpointing (0002-0007), ZeRO-3 and ZeRO-1/2 (0001, 0003, 0006, 0007),
 # NVMe offload (0007).
 DEFAULT_FILES = [  # smallest first, so that a run stopped early has covered the most files
@@ -111,6 +113,8 @@ def tree_env(tree, log, timeout):
     """The environment that makes `import deepspeed` find this tree, with its own JIT-op cache."""
     env = dict(os.environ)
     path = [str(ROOT / "tools")]  # the plugin
+    if UPSTREAM_PYTEST.is_dir():
+        path.insert(0, str(UPSTREAM_PYTEST))
     if tree != "fork":
         path.insert(0, str(TREES[tree]))  # before the editable install of fork/
     env.update({
