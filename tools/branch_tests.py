@@ -84,20 +84,6 @@ def files_to_run(entry, number):
     return ours, ut.updated_files([diff]) if diff.exists() else []
 
 
-def build_ops(tree):
-    """Always ask: the .so of an earlier branch may be stale here (0008 changes the shm op's source), and a
-    build inside a test would count against its timeout."""
-    code = ("import sys; from deepspeed.accelerator import get_accelerator as a\n"
-            "for n in sys.argv[1:]:\n"
-            "    b = a().create_op_builder(n)\n"
-            "    if b is not None and b.is_compatible(verbose=False): b.load(verbose=False)\n")
-    subprocess.run([ut.PY, "-c", code] + list(ut.OPS),
-                   env=ut.tree_env(TREE, "/dev/null", 0),
-                   check=True,
-                   cwd=tree,
-                   stdout=subprocess.DEVNULL)
-
-
 def exception_line(detail):
     """The exception pytest reports last (`E   SomeError: ...`), the part of a failure that tells causes apart,
     with numbers masked (memory sizes, ranks and ports differ from run to run)."""
@@ -182,7 +168,9 @@ def main():
         print(f"{branch}: {', '.join(ours + upstream_files) or 'no tests'}", flush=True)
         with ut.cpu_lock():
             extract_branch(args.upstream, branch, tree)
-            build_ops(tree)
+            # Always load, not only where a .so is missing: an earlier branch's .so may be stale here (0008
+            # changes the shm op's source), and a build inside a test would count against its timeout.
+            ut.load_ops(TREE)
             results = {f: ut.run_file(TREE, tree, f, args.out, args.timeout) for f in ours + upstream_files}
         state["branches"][number] = {
             "branch": branch,

@@ -136,13 +136,20 @@ def build_ops(tree):
     cache = Path(extensions_dir(TREES[tree]))
     if all((cache / name / f"{name}.so").exists() for name in OPS.values()):
         return  # built: no need to wait for the CPU lock
+    with cpu_lock():
+        load_ops(tree)
+
+
+def load_ops(tree):
+    """Load (JIT-building where needed) the ops the files use, in the tree's own cache; the caller holds the lock."""
     code = ("import sys; from deepspeed.accelerator import get_accelerator as a\n"
             "for n in sys.argv[1:]:\n"
             "    b = a().create_op_builder(n)\n"
             "    if b is not None and b.is_compatible(verbose=False): b.load(verbose=False)\n")
-    env = tree_env(tree, os.devnull, 0)
-    with cpu_lock():
-        subprocess.run([PY, "-c", code] + list(OPS), env=env, check=True)
+    subprocess.run([PY, "-c", code] + list(OPS),
+                   env=tree_env(tree, os.devnull, 0),
+                   check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
