@@ -673,9 +673,7 @@ def branch_test_files(entry, number, placed, source):
     files += [h for h in imported_helpers(files, source, rev) if h not in files]
     texts = {}
     for rel in files:
-        text = committed_text(source, rel, rev)
-        if text is None:
-            raise PatchError(f"{rel} (patches/tests.toml [{number}]) is not committed in {source} at {rev}")
+        text = committed_text(source, rel, rev)  # imported_helpers refused a file that is not committed
         if placed.get(rel) != text:
             texts[rel] = text
     return texts
@@ -729,9 +727,7 @@ def without_linked_copies(patch_text, links):
             path = re.match(r"diff --git a/(\S+)", dropped).group(1)
             raise PatchError(f"the patch changes {path}, under a path upstream's git has as a symbolic link, "
                              f"without the same change to the file the link points to: make the change there")
-    if kept and len(kept) < len(sections) and not kept[-1].endswith("\n"):
-        kept[-1] += "\n"
-    return head + "".join(kept)
+    return head + "".join(kept)  # split at line starts: every kept section still ends its last line
 
 
 def hunks(section):
