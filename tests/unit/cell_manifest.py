@@ -17,6 +17,7 @@ ONE_FORMAT = "unit/checkpoint/test_universal_one_format.py"
 ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
+HP_LINK = "unit/runtime/zero/test_zero12_hp_link_param_groups.py"
 
 # yapf: disable
 CELLS = {
@@ -36,7 +37,6 @@ CELLS = {
         dict(checkpoint="rigid, shard missing on one rank"),
     f"{ZERO3}::TestZero3ResumeRejected::test_truncated_shard_on_one_rank":
         dict(checkpoint="rigid, truncated shard on one rank"),
-    f"{ZERO3}::TestZero3ResumeRejected::test_trainable_set_change": dict(layout="trainable set"),
     f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change_with_a_missing_shard": dict(layout="dp4->dp2"),
     f"{ZERO3}::TestZero3ResumeOlderTag": dict(checkpoint="rigid"),
     f"{ZERO3}::TestZero3UniversalModuleOnly": dict(offload="none", checkpoint="universal", layout="none"),
@@ -59,6 +59,7 @@ CELLS = {
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_truncated_shard_on_one_rank":
         dict(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank"),
     f"{ZERO12}::TestZero12TrainableSetChange": dict(layout="trainable set"),
+    f"{ZERO12}::TestZero12ParamGroupsByName": dict(layout="param groups"),
     f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
     f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
     # 0007: ZeRO-3 NVMe resume
@@ -68,12 +69,26 @@ CELLS = {
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
+    # 0010: ZeRO-1/2 optimizer-state fragments linked for every param group
+    HP_LINK: dict(feature="hp-link", checkpoint="-"),
     # 0009: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
-    f"{RESHARD}::TestZero3ReshardTrainableSetChange": dict(precision="bf16"),
+    f"{RESHARD}::TestZero3ReshardParameterKinds": dict(precision="bf16", settings="tied and 1-element params"),
+    f"{RESHARD}::TestZero3ReshardQuantizedWeights": dict(precision="bf16", settings="zero_quantized_weights"),
+    f"{RESHARD}::TestZero3LayoutChange": dict(precision="bf16"),
+    f"{RESHARD}::TestZero3LayoutChange::test_sub_group_size_change_at_the_saved_size":
+        dict(precision="bf16", layout="sub_group_size"),
+    f"{RESHARD}::TestZero3LayoutChange::test_saved_padded_in_sub_groups":
+        dict(precision="bf16", settings="sub_group_size=100 (saved)"),
+    f"{RESHARD}::TestZero3ParamGroupHyperparameters": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardRefused": dict(precision="bf16", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardRefused::test_nvme_offload":
         dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
+    f"{RESHARD}::TestZero3ReshardRefused::test_saved_with_nvme_at_the_saved_size":
+        dict(precision="bf16", offload="nvme when saved", checkpoint="rigid (refused)"),
+    f"{RESHARD}::TestZero3ReshardSerialLoad": dict(feature="serial-load", precision="bf16"),
+    f"{RESHARD}::TestZero3TensorParallelChangeRefused":
+        dict(precision="fp32", checkpoint="rigid (refused)", layout="tp2xdp1 <-> tp1xdp2"),
 }
 # yapf: enable

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_fresh, assert_same,
-                                                 check_trainable_set_change, expect_rejected, make_config,
-                                                 make_engine, masters, move_aside_on_rank, moments, remove_shards,
-                                                 rounding, saves_checkpoint, shard_path, steps, to_universal, train,
+                                                 expect_rejected, make_config, make_engine, masters,
+                                                 move_aside_on_rank, moments, remove_shards, rounding,
+                                                 saves_checkpoint, shard_path, steps, to_universal, train,
                                                  train_and_save, truncate_on_rank)
 from unit.common import DistributedTest
 from unit.zero_tiny_models import SETTINGS
@@ -85,10 +85,6 @@ class TestZero3ResumeRejected(DistributedTest):
                             "rank_1_mp_rank_00_optim_states.pt cannot be read.*Restore the file",
                             refusing_rank=1,
                             load_optimizer_states=load_optimizer_states)
-
-    @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
-    def test_trainable_set_change(self, tmpdir, direction):
-        check_trainable_set_change(str(tmpdir), make_config(3, "bf16"), make_engine, direction)
 
     @pytest.mark.world_size([4, 2])
     def test_dp_size_change_with_a_missing_shard(self, tmpdir):

@@ -229,6 +229,7 @@ def expect_rejected(engine, save_dir, match, refusing_rank=None, tag=TAG, **load
     if refusing_rank is not None and dist.get_rank() != refusing_rank:
         assert f"rank {refusing_rank} refused it" in str(refused.value), str(refused.value)
     assert_same(snapshot(engine), before)
+    return str(refused.value)
 
 
 def weights(engine):
