@@ -40,7 +40,7 @@ def config_for(stage, precision, universal=False, **zero_overrides):
     return config
 
 
-def build(config, seed=0, hidden=16, frozen=(), nlayers=3, groups=None):
+def build(config, seed=0, hidden=16, frozen=(), nlayers=3, groups=None, lr_scheduler=None):
     """A TinyMLP engine; parameters whose names start with a prefix in `frozen` do not train. groups: [(prefixes,
     hyperparameters), ...], one param group each, in that order, of the trainable parameters named by prefix."""
     if config.get("fp16", {}).get("enabled"):
@@ -57,8 +57,15 @@ def build(config, seed=0, hidden=16, frozen=(), nlayers=3, groups=None):
             dict(params=[p for name, p in trainable if name.startswith(prefixes)], **hyperparameters)
             for prefixes, hyperparameters in groups
         ]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           model_parameters=model_parameters,
+                                           lr_scheduler=lr_scheduler,
+                                           config=config)
     return engine
+
+
+def constant_lambda_lr(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
 def train_and_save(config, save_dir, hidden=16):
@@ -246,6 +253,14 @@ def assert_named_once(warnings, new):
         assert not warnings, warnings
 
 
+def assert_masters_round_to_weights(engine):
+    """Each master rounds to its module weight: a check independent of the hp mappings the restore writes through
+    (masters() reads through them too)."""
+    module_weights = weights(engine)
+    for name, master in masters(engine).items():
+        assert torch.equal(master.to(module_weights[name].dtype), module_weights[name]), name
+
+
 def expected_masters(saved, engine, new=()):
     """The saved masters of the parameters this engine trains, and the 16-bit weights, upcast, of those in `new`."""
     trainable = [name for name, param in engine.module.named_parameters() if param.requires_grad]
@@ -281,6 +296,7 @@ class TestZero12TrainableSetChange(DistributedTest):
         engine = build(config, seed=1, hidden=HIDDEN, nlayers=4)
         warnings = load_warning(engine, save_dir, load_optimizer_states=False)
         assert_same(masters(engine), expected_masters(saved, engine, new), "masters")
+        assert_masters_round_to_weights(engine)
         assert_fresh(engine)
         assert_named_once(warnings, new)
         assert_same(weights(engine), saved["weights"], "weights")
@@ -288,21 +304,27 @@ class TestZero12TrainableSetChange(DistributedTest):
 
     @pytest.mark.parametrize("stage, precision", LAYOUT_CELLS)
     def test_unfreeze_full_resume(self, tmpdir, stage, precision):
-        """(b) Full resume: masters, moments and step exact for the parameters trainable when saved; the unfrozen
-        layer starts from its 16-bit weights with zero moments, named in one warning; training continues. With
-        load_fp32_weights=False, the same moments and every master rebuilt from its 16-bit weight."""
+        """(b) Full resume. The unfrozen layer in the restored group would share its saved step with zero moments
+        (updates several times a fresh start's): refused on every rank, engine unchanged, naming the ways out. In a
+        param group of its own: masters, moments and step exact for the parameters trainable when saved; the
+        unfrozen layer starts from its 16-bit weights with zero moments at step 0, named in one warning; training
+        continues. With load_fp32_weights=False, the same moments and every master rebuilt from its 16-bit
+        weight."""
         save_dir, config, new = str(tmpdir), config_for(stage, precision), ["layers.0.weight", "layers.0.bias"]
         saved = save_trained(config, save_dir, nlayers=4, frozen=("layers.0.", ))
-        engine = build(config, seed=1, hidden=HIDDEN, nlayers=4)
+        apart = [(("layers.1.", "layers.2.", "layers.3."), {}), (("layers.0.", ), {})]
+        expect_rejected(build(config, seed=1, hidden=HIDDEN, nlayers=4), save_dir,
+                        "layers.0.weight, layers.0.bias were not trainable.*param group of their own")
+        engine = build(config, seed=1, hidden=HIDDEN, nlayers=4, groups=apart)
         warnings = load_warning(engine, save_dir)
         assert_same(masters(engine), expected_masters(saved, engine, new), "masters")
-        assert_same(moments(engine), expected_moments(saved, engine, new), "moments")
-        assert steps(engine) == saved["steps"] == [float(SAVED_STEPS)], steps(engine)
+        assert_same(linked_moments(engine), expected_moments(saved, engine, new), "moments")
+        assert steps(engine) == [0.0, float(SAVED_STEPS)] and saved["steps"] == [float(SAVED_STEPS)], steps(engine)
         assert_named_once(warnings, new)
         assert_same(weights(engine), saved["weights"], "weights")
         train_steps(engine, 1)
         # With load_fp32_weights=False the states are restored the same way and every master is its 16-bit weight.
-        engine = build(config, seed=1, hidden=HIDDEN, nlayers=4)
+        engine = build(config, seed=1, hidden=HIDDEN, nlayers=4, groups=apart)
         engine.load_checkpoint(save_dir, tag=TAG, load_fp32_weights=False)
         assert_same(masters(engine), {name: weight.float() for name, weight in saved["weights"].items()}, "masters")
         assert_same(moments(engine), expected_moments(saved, engine, new), "moments")
@@ -324,6 +346,22 @@ class TestZero12TrainableSetChange(DistributedTest):
                 assert steps(engine) == [float(SAVED_STEPS)], steps(engine)
             assert_same(weights(engine), saved["weights"], "weights")
             train_steps(engine, 1)
+
+    @pytest.mark.parametrize("stage, precision", [(2, "bf16")])
+    def test_round_robin_gradients(self, tmpdir, stage, precision):
+        """round_robin_gradients lays the flat partitions out in another order than the hp mappings and the saved
+        param_slice_mappings describe (so safe_get_full_fp32_param cannot check it either): no restore by name. A
+        full resume is refused on every rank with the engine unchanged, and a fresh-optimizer resume rebuilds every
+        master from its 16-bit weight, as before: each rank's fp32 partition is its 16-bit partition, upcast."""
+        save_dir, config = str(tmpdir), config_for(stage, precision, round_robin_gradients=True)
+        save_trained(config, save_dir, nlayers=4, frozen=("layers.0.", ))
+        engine = build(config, seed=1, hidden=HIDDEN, nlayers=4)
+        expect_rejected(engine, save_dir, "round_robin_gradients.*" + WAYS_OUT)
+        engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
+        optimizer, rank = engine.optimizer, dist.get_rank()
+        for fp32_partition, bit16_partitions in zip(optimizer.single_partition_of_fp32_groups,
+                                                    optimizer.parallel_partitioned_bit16_groups):
+            assert torch.equal(fp32_partition, bit16_partitions[rank].float())
 
     @pytest.mark.parametrize("stage, precision", [(1, "bf16")])
     def test_missing_shard_of_another_rank(self, tmpdir, stage, precision):
@@ -355,7 +393,7 @@ class TestZero12ParamGroupsByName(DistributedTest):
         lr, weight_decay and betas of its saved group, and its saved master, moments and step, and it trains as at
         the saved layout; a fresh-optimizer resume keeps the configured values, with the saved masters."""
         save_dir, config = str(tmpdir), config_for(stage, precision)
-        saved = save_trained(config, save_dir, nlayers=4, groups=SAVED_GROUPS)
+        saved = save_trained(config, save_dir, nlayers=4, groups=SAVED_GROUPS, lr_scheduler=constant_lambda_lr)
         reordered = [(SAVED_GROUPS[1][0], LOADED_HYPERPARAMETERS[0]), (SAVED_GROUPS[0][0], LOADED_HYPERPARAMETERS[1])]
         engine = build(config, seed=1, hidden=HIDDEN, nlayers=4, groups=reordered)
         engine.load_checkpoint(save_dir, tag=TAG)
@@ -369,6 +407,11 @@ class TestZero12ParamGroupsByName(DistributedTest):
         train_steps(engine, 1)
         train_steps(as_saved, 1)
         assert_same(masters(engine), masters(as_saved), "masters one step after the resume")
+
+        # A torch lr scheduler restores its per-group state (base_lrs) by position: refused unless left out.
+        scheduled = build(config, seed=1, hidden=HIDDEN, nlayers=4, groups=reordered, lr_scheduler=constant_lambda_lr)
+        for load_kwargs in (dict(), dict(load_optimizer_states=False)):
+            expect_rejected(scheduled, save_dir, "lr scheduler state.*load_lr_scheduler_states=False", **load_kwargs)
 
         fresh = build(config, seed=1, hidden=HIDDEN, nlayers=4, groups=reordered)
         configured = hyperparameters(fresh)
