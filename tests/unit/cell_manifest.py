@@ -74,6 +74,7 @@ CELLS = {
     # 0009: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
+    f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),
     f"{RESHARD}::TestZero3ReshardParameterKinds": dict(precision="bf16", settings="tied and 1-element params"),
     f"{RESHARD}::TestZero3ReshardQuantizedWeights": dict(precision="bf16", settings="zero_quantized_weights"),
     f"{RESHARD}::TestZero3LayoutChange": dict(precision="bf16"),

@@ -41,7 +41,7 @@ SETTINGS = {
 def zero3_config(precision="fp32", lr=1e-2, settings="defaults", **zero_overrides):
     """A ZeRO-3 config at DeepSpeed's defaults, or at the SETTINGS entry named. precision: fp32 | autocast (fp32
     weights, bf16 autocast) | bf16 (fp32 masters) | bf16_master (bf16 weights with bf16 master weights and
-    optimizer states)."""
+    optimizer states) | fp16 (fp32 masters, dynamic loss scale from 2**8)."""
     zero = {"stage": 3, **SETTINGS[settings]}
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -62,6 +62,8 @@ def zero3_config(precision="fp32", lr=1e-2, settings="defaults", **zero_override
         config["bf16"] = {"enabled": True}
     elif precision == "bf16_master":
         config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    elif precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     elif precision != "fp32":
         raise ValueError(f"unknown precision {precision}")
     zero.update(zero_overrides)
@@ -69,4 +71,4 @@ def zero3_config(precision="fp32", lr=1e-2, settings="defaults", **zero_override
 
 
 def model_dtype(precision):
-    return torch.bfloat16 if precision in ("bf16", "bf16_master") else torch.float32
+    return {"bf16": torch.bfloat16, "bf16_master": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

@@ -19,6 +19,7 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_fresh, assert_same, expect_rejected, masters, moments,
                                                  rounding, truncate_on_rank, weights, move_aside_on_rank)
 from unit.common import DistributedTest
@@ -41,7 +42,7 @@ MODES = {
 # run's: the weights it starts from are bit-exact, the gradient is averaged over another number of ranks (another
 # summation order), and 16-bit weights round the update. Measured at 4 -> 3: 1.5e-7 (fp32), 1.2e-6 (autocast),
 # 1.8e-5 (bf16, bf16_master); a fresh optimizer's step differs by 4e-3.
-NEXT_STEP_RTOL = {"fp32": 1e-6, "autocast": 1e-5, "bf16": 2e-4, "bf16_master": 2e-4}
+NEXT_STEP_RTOL = {"fp32": 1e-6, "autocast": 1e-5, "bf16": 2e-4, "bf16_master": 2e-4, "fp16": 2e-4}
 
 
 def reshard_config(precision, world_size, settings="defaults", warmup_lr=False, **zero_overrides):
@@ -76,6 +77,10 @@ def constant_lambda_lr(optimizer):
 
 def build(precision, world_size, seed, frozen=FROZEN, groups=None, model="mlp", lr_scheduler=None, **overrides):
     """A TinyMLP engine. groups: [(name prefixes, hyperparameters)], one optimizer param group each, in order."""
+    if precision == "fp16":
+        # The CPU accelerator reports fp16 unsupported where oneDNN lacks fp16 kernels; the tiny model's fp16
+        # Linear/tanh/MSE and gloo's fp16 collectives still run (slowly) on the CPU.
+        get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(seed)
     model = MODELS[model](hidden=HIDDEN)
     for name, param in model.named_parameters():
@@ -187,7 +192,7 @@ def check_resumed(engine, ref, expected_masters, optimizer_state, precision):
     label = f"at {dist.get_world_size()} ranks"
     assert_same(weights(engine), ref["weights"], f"weights {label}")
     # a rebuild rounds the masters to the 16-bit weights (no-op where the weights are fp32 or the masters bf16)
-    rebuilt = rounding(ref["masters"]) if precision == "bf16" else ref["masters"]
+    rebuilt = rounding(ref["masters"], model_dtype(precision)) if precision in ("bf16", "fp16") else ref["masters"]
     assert_same(masters(engine), ref["masters"] if expected_masters == "saved" else rebuilt, f"masters {label}")
     if optimizer_state == "saved":
         assert_same(moments(engine), ref["moments"], f"moments {label}")
@@ -212,6 +217,17 @@ def check_next_step(engine, ref, precision, optimizer_state):
         assert loss != pytest.approx(ref["next_loss"], rel=10 * rtol, abs=0), (loss, ref["next_loss"])
 
 
+def resume_in_every_mode(save_dir, ref, precision, next_step_in=("full", ), **build_args):
+    """Load the checkpoint into a new engine in each mode and check what it restored, then, in the modes named, the
+    next step."""
+    for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
+        engine = build(precision, dist.get_world_size(), seed=1, **build_args)
+        engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
+        check_resumed(engine, ref, expected_masters, optimizer_state, precision)
+        if mode in next_step_in:
+            check_next_step(engine, ref, precision, optimizer_state)
+
+
 # [saved by, resumed by]: the test runs in each world in turn (upstream's world_size lists)
 LAYOUTS = {"dp4->dp2": [4, 2], "dp2->dp4": [2, 4], "dp4->dp3": [4, 3], "dp3->dp2": [3, 2]}
 PRECISIONS = ["fp32", "autocast", "bf16", "bf16_master"]
@@ -233,12 +249,21 @@ class TestZero3Reshard(DistributedTest):
         if saves_reference(save_dir, precision, saved_world=world_size[0]):
             return
         ref = reference(save_dir)
-        for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-            engine = build(precision, dist.get_world_size(), seed=1)
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            check_resumed(engine, ref, expected_masters, optimizer_state, precision)
-            if mode in ("full", "fresh_optimizer"):
-                check_next_step(engine, ref, precision, optimizer_state)
+        resume_in_every_mode(save_dir, ref, precision, next_step_in=("full", "fresh_optimizer"))
+
+
+class TestZero3ReshardFp16(DistributedTest):
+    world_size = 2
+
+    @layouts("dp4->dp2")
+    def test_every_mode_is_exact(self, tmp_path, world_size, layout):
+        """fp16 with a dynamic loss scale: the full resume also restores the loss scale (compared)."""
+        save_dir, precision = str(tmp_path), "fp16"
+        if saves_reference(save_dir, precision, saved_world=world_size[0]):
+            return
+        ref = reference(save_dir)
+        assert ref["loss_scale"] is not None
+        resume_in_every_mode(save_dir, ref, precision)
 
 
 class TestZero3ReshardQuantizedWeights(DistributedTest):
@@ -248,17 +273,13 @@ class TestZero3ReshardQuantizedWeights(DistributedTest):
 
     @layouts("dp4->dp2")
     def test_every_mode_is_exact(self, tmp_path, world_size, layout):
-        from deepspeed.accelerator import get_accelerator
         if get_accelerator().device_name() != "cuda":
             pytest.skip("qwZ's quantizer is a CUDA op")
         save_dir, precision = str(tmp_path), "bf16"
         if saves_reference(save_dir, precision, saved_world=world_size[0], zero_quantized_weights=True):
             return
         ref = reference(save_dir)
-        for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-            engine = build(precision, dist.get_world_size(), seed=1, zero_quantized_weights=True)
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            check_resumed(engine, ref, expected_masters, optimizer_state, precision)
+        resume_in_every_mode(save_dir, ref, precision, next_step_in=(), zero_quantized_weights=True)
 
 
 class TestZero3ReshardParameterKinds(DistributedTest):
@@ -274,12 +295,7 @@ class TestZero3ReshardParameterKinds(DistributedTest):
             return
         ref = reference(save_dir)
         assert {"gain", "layers.0.weight"} <= set(ref["masters"]) and "layers.2.weight" not in ref["masters"]
-        for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-            engine = build(precision, dist.get_world_size(), seed=1, **kinds)
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            check_resumed(engine, ref, expected_masters, optimizer_state, precision)
-            if mode == "full":
-                check_next_step(engine, ref, precision, optimizer_state)
+        resume_in_every_mode(save_dir, ref, precision, **kinds)
 
 
 # (saved with, loaded with) beyond DeepSpeed's defaults: no persistent parameter, other sub-groups at the load,
@@ -304,12 +320,7 @@ class TestZero3ReshardSettings(DistributedTest):
         if saves_reference(save_dir, precision, saved_world=world_size[0], **save_overrides):
             return
         ref = reference(save_dir)
-        for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-            engine = build(precision, dist.get_world_size(), seed=1, **load_overrides)
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            check_resumed(engine, ref, expected_masters, optimizer_state, precision)
-            if mode == "full":
-                check_next_step(engine, ref, precision, optimizer_state)
+        resume_in_every_mode(save_dir, ref, precision, **load_overrides)
 
 
 # The layout changes below at the saved size (one world saves, then loads) and at another ([saved by, resumed by])
@@ -382,22 +393,14 @@ class TestZero3LayoutChange(DistributedTest):
         if saves_reference(save_dir, precision, saved_world=world_size[0], sub_group_size=100):
             return
         ref = reference(save_dir)
-        for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-            engine = build(precision, dist.get_world_size(), seed=1)
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            check_resumed(engine, ref, expected_masters, optimizer_state, precision)
+        resume_in_every_mode(save_dir, ref, precision, next_step_in=())
 
     def test_sub_group_size_change_at_the_saved_size(self, tmp_path):
         save_dir, precision = str(tmp_path), "bf16"
         saves_reference(save_dir, precision, saved_world=dist.get_world_size())
         ref = reference(save_dir)
-        for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-            engine = build(precision, dist.get_world_size(), seed=1, sub_group_size=100)
-            assert len(engine.optimizer.fp16_groups) > 1
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            check_resumed(engine, ref, expected_masters, optimizer_state, precision)
-            if mode == "full":
-                check_next_step(engine, ref, precision, optimizer_state)
+        assert len(build(precision, dist.get_world_size(), seed=1, sub_group_size=100).optimizer.fp16_groups) > 1
+        resume_in_every_mode(save_dir, ref, precision, sub_group_size=100)
 
 
 # Saved with two param groups; loaded with the same two swapped in order, each position keeping its
