@@ -10,7 +10,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export check pristine bench cells clean upstream-tests branches branch-tests
+.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export readme check pristine bench cells clean upstream-tests branches branch-tests
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -60,8 +60,14 @@ install: fork
 ops: install
 	$(VPY) tools/build_ops.py
 
+# Write fork/'s commits back to patches/, then README.md's list of patches (generated from patches/series).
 export:
 	$(VPY) $(PATCHES) export
+	$(VPY) $(PATCHES) readme
+
+# README.md's list of patches alone, e.g. after patches/ was edited by hand (a tooling test fails while it is stale).
+readme:
+	$(VPY) $(PATCHES) readme
 
 check:
 	$(VPY) $(PATCHES) check
@@ -74,9 +80,10 @@ bench: setup pristine
 	$(VPY) bench/zero3_resume_cost.py
 	$(VPY) bench/zero3_reshard_cost.py
 
-# The validated-cells matrix from the last test run (markdown; tools/cells.py --help).
+# The validated-cells matrix from the last test run (markdown; tools/cells.py --help); UPDATE=1 writes it into
+# docs/cells.md instead of printing it.
 cells:
-	$(VPY) tools/cells.py
+	$(VPY) tools/cells.py $(if $(UPDATE),--update)
 
 # Upstream DeepSpeed's own test files for the areas the series touches, on pristine 0.19.8 and on the fork,
 # compared (tools/upstream_tests.py --help). UPSTREAM: an upstream DeepSpeed checkout or its git directory.
@@ -91,9 +98,9 @@ $(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-sta
 	touch $@
 
 # One branch per patch, stacked in series order, in an upstream DeepSpeed checkout, each the patch with its tests and
-# its update of upstream's tests, the message being the pull request's description (README, "Send a patch
-# upstream"). BASE: the upstream commit the first branch starts from (default the checkout's HEAD); FORCE=1 rewrites
-# the branches of a previous run.
+# its update of upstream's tests, the message being the pull request's description (docs/sending-upstream.md).
+# BASE: the upstream commit the first branch starts from (default the checkout's HEAD); FORCE=1 rewrites the
+# branches of a previous run.
 branches: venv
 	@test -n "$(UPSTREAM)" || { echo "usage: make branches UPSTREAM=DIR [BASE=REF] [FORCE=1] (an upstream DeepSpeed checkout)"; exit 2; }
 	$(VPY) $(PATCHES) branches $(UPSTREAM) $(if $(BASE),--base $(BASE)) $(if $(FORCE),--force)

@@ -6,7 +6,8 @@
     tools/cells.py                         # every cell the tests declare, with its status
     tools/cells.py --feature resume        # one feature's rows, for a patch message
     tools/cells.py --feature resume --where stage=1,2 --where offload=none   # narrower still
-    tools/cells.py --update README.md      # rewrite the block between the cells markers in a file
+    tools/cells.py --update                # rewrite the block between the cells markers in docs/cells.md
+    tools/cells.py --update FILE           # ... in another file
     tools/cells.py --results test-results/cells-pristine.json   # the same tests run on pristine 0.19.8
 
 A cell is "validated" when at least one of its tests passed and none failed, "FAILED" when any failed,
@@ -32,6 +33,7 @@ HEADERS = dict(feature="feature",
                layout="layout change",
                settings="settings")
 BEGIN, END = "<!-- cells:begin (tools/cells.py --update) -->", "<!-- cells:end -->"
+DOC = ROOT / "docs" / "cells.md"  # where the matrix is published; --update without a file rewrites it
 
 
 def cells(tests):
@@ -100,7 +102,11 @@ def main():
     parser.add_argument("--results", default=str(RESULTS_DIR / "cells.json"))
     parser.add_argument("--feature", help="only this feature's cells")
     parser.add_argument("--where", action="append", metavar="AXIS=V[,V]", help="only cells with these values")
-    parser.add_argument("--update", metavar="FILE", help="replace the cells block in FILE instead of printing")
+    parser.add_argument("--update",
+                        metavar="FILE",
+                        nargs="?",
+                        const=str(DOC),
+                        help=f"replace the cells block in FILE (default {DOC.relative_to(ROOT)}) instead of printing")
     args = parser.parse_args()
     try:
         record = json.loads(Path(args.results).read_text())

@@ -151,3 +151,17 @@ def test_manifest_keys_by_test_id_longest_wins(pytester):
     ]
     assert [(c["stage"], c["layout"]) for c in cells["test_param[1-dp4->dp2]"]] == [("1", "dp4->dp2")]
     assert [c["stage"] for c in cells["test_param[2-dp4->dp2]"]] == ["3"]
+
+
+def test_the_matrix_is_published_in_docs_cells_md(tmp_path):
+    """`tools/cells.py --update` without a file rewrites docs/cells.md, the page that holds the markers (the README
+    links to it); only the block between the markers changes."""
+    tool = load_tool()
+    assert tool.DOC == TOOLS_CELLS.parents[1] / "docs" / "cells.md"
+    published = tool.DOC.read_text()
+    assert published.count(tool.BEGIN) == 1 and published.count(tool.END) == 1
+    assert tool.BEGIN not in (TOOLS_CELLS.parents[1] / "README.md").read_text()
+    page = tmp_path / "cells.md"
+    page.write_text(f"# Cells\n\n{tool.BEGIN}\nold\n{tool.END}\n\nAfter.\n")
+    tool.update(page, "| new |")
+    assert page.read_text() == f"# Cells\n\n{tool.BEGIN}\n| new |\n{tool.END}\n\nAfter.\n"
