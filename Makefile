@@ -97,10 +97,10 @@ $(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-sta
 	$(VPY) -m pip install --quiet --target .cache/upstream-pytest -r requirements/upstream-tests.txt
 	touch $@
 
-# One branch per patch, stacked in series order, in an upstream DeepSpeed checkout, each the patch with its tests and
-# its update of upstream's tests, the message being the pull request's description (docs/sending-upstream.md).
-# BASE: the upstream commit the first branch starts from (default the checkout's HEAD); FORCE=1 rewrites the
-# branches of a previous run.
+# One branch per patch in an upstream DeepSpeed checkout, on BASE plus the patches its `Depends on` line needs, each
+# the patch with its tests and its updates of upstream's tests and docs, the message being the pull request's
+# description (docs/sending-upstream.md). BASE: the upstream commit the branches start from (default the
+# checkout's HEAD); FORCE=1 rewrites the branches of a previous run.
 branches: venv
 	@test -n "$(UPSTREAM)" || { echo "usage: make branches UPSTREAM=DIR [BASE=REF] [FORCE=1] (an upstream DeepSpeed checkout)"; exit 2; }
 	$(VPY) $(PATCHES) branches $(UPSTREAM) $(if $(BASE),--base $(BASE)) $(if $(FORCE),--force)

@@ -7,8 +7,9 @@ For each patch of the series, in order, its branch (`ds-fork/NNNN-...` in the up
 whole, code and tests, into one scratch folder (.cache/branch-tests/tree: one path for every branch, so that
 the JIT-op cache built for the first one serves the others), its ops are built there, and pytest runs in its
 tests/ (upstream's conftest.py, pytest.ini and unit/common.py) with `import deepspeed` finding that branch's
-code: the patch and the ones below it, nothing above. The files run are the ones patches/tests.toml lists for
-the patch (`tests` and `updates`) and the upstream test files its patches/upstream-tests/NNNN.diff changes;
+code: the patch and the patches its `Depends on` line needs, nothing else. The files run are the ones
+patches/tests.toml lists for the patch (`tests`, and `updates`, which name files of those dependencies) and the
+upstream test files its patches/upstream-tests/NNNN.diff changes;
 a test of those upstream files that fails also on pristine 0.19.8 in the last `make upstream-tests` results is
 version skew of the snapshot, reported apart. Results in .cache/branch-tests/results.json.
 

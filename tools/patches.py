@@ -8,12 +8,14 @@ in order, in patches/series. Upstream files are never committed: they are materi
   import    unpack upstream into fork/ (a git repo whose base commit is tagged `upstream`) and
             apply every patch of the series as its own commit
   export    write the commits after `upstream` back to patches/ (format-patch) and patches/series
-  check     the series applies cleanly to pristine upstream, and fork/ holds nothing unexported
+  check     the series applies cleanly to pristine upstream, each patch also with only the patches its
+            `Depends on` line needs, and fork/ holds nothing unexported
   pristine  unpack upstream, unpatched, into pristine/ (for A/B runs: PYTHONPATH=pristine)
-  branches  in a checkout of upstream DeepSpeed, write one branch per patch, stacked in series order: the patch
+  branches  in a checkout of upstream DeepSpeed, write one branch per patch, on the base plus the patches its
+            `Depends on` line needs (transitively, each its own branch's commit, in series order): the patch
             commit with its tests (patches/tests.toml, plus the unit.* helpers they import) at upstream's paths
-            and its update of upstream's tests (patches/upstream-tests/NNNN.diff), the message being the pull
-            request's description without fork-only lines
+            and its updates of upstream's tests and docs (patches/upstream-tests/, upstream-docs/ NNNN.diff), the
+            message being the pull request's description without fork-only lines
   readme    rewrite README.md's list of patches (between its patches markers) from patches/series; --check
             only fails if it is stale
 
@@ -485,15 +487,87 @@ def cmd_check(args):
             apply_series(scratch, args.patches)
         except PatchError as err:
             problems.append(f"series does not apply to pristine {pin()['version']}: {err}")
+        problems += dependency_problems(scratch, read_series(args.patches))
+    problems += [f"{diff}: {why}" for diff, why in stray_diffs(args.patches, read_series(args.patches))]
     fork = Path(args.fork)
     if fork.exists():
         problems += unexported(fork, args.patches)
     if problems:
         print("patch check FAILED:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
         return 1
-    print(f"patch check ok: {len(read_series(args.patches))} patches apply to pristine {pin()['version']}" +
-          ("; fork/ is in sync" if fork.exists() else ""))
+    print(f"patch check ok: {len(read_series(args.patches))} patches apply to pristine {pin()['version']}, each "
+          f"also on it with only the patches its `Depends on` needs" + ("; fork/ is in sync" if fork.exists() else ""))
     return 0
+
+
+def apply_cached(repo, patch, env, check_only=False):
+    """git apply of one patch or diff to the scratch index env names: git's error text, empty when it applies."""
+    cmd = ["git", "-C", str(repo), "apply", "--cached"] + (["--check"] if check_only else [])
+    proc = subprocess.run(cmd + [str(Path(patch).resolve())],
+                          capture_output=True,
+                          text=True,
+                          env=dict(os.environ, **env))
+    return "" if proc.returncode == 0 else (proc.stderr.strip() or f"git apply exited {proc.returncode}")
+
+
+def changed_paths(patch_text):
+    return set(re.findall(r"(?m)^diff --git a/(\S+) b/", patch_text))
+
+
+def dependency_problems(repo, series, pristine=UPSTREAM_TAG):
+    """Each patch checked (git apply --check, in a scratch index) on pristine upstream (the commit `pristine` in repo)
+    plus exactly the patches its `Depends on` line needs, applied in series order: a wrong line names the patch and
+    the dependency it misses (the first earlier patch that, added with what it needs, makes it apply), and an
+    unreadable line is named."""
+    numbers = [patch_number(p) for p in series]
+    by_number = dict(zip(numbers, series))
+    problems = []
+    closures = dependency_closures(series, problems)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+
+        def error_on(below, patch):
+            """git's error applying patch on upstream + below (series order); None if one of below fails."""
+            git(repo, "read-tree", pristine, env=env)
+            if any(apply_cached(repo, by_number[n], env) for n in below):
+                return None
+            return apply_cached(repo, patch, env, check_only=True)
+
+        for patch in series:
+            number, needed = patch_number(patch), closures[patch_number(patch)]
+            if needed is None:
+                continue
+            error = error_on(needed, patch)
+            if error is None:
+                problems.append(f"{patch.name}: not checked on its dependencies ({', '.join(needed)}): one of them "
+                                f"does not apply on the others (see its own line)")
+                continue
+            if not error:
+                continue
+            missing = None
+            for other in numbers[:numbers.index(number)]:
+                if other in needed or closures[other] is None:
+                    continue
+                trial = [n for n in numbers if n in set(needed) | {other, *closures[other]}]
+                if error_on(trial, patch) == "":
+                    missing = other
+                    break
+            on = f"pristine {pin()['version']}" + (f" + {', '.join(needed)}" if needed else "")
+            if missing:
+                why = (f"it needs {missing} ({series_message(by_number[missing]).splitlines()[0]}), which its "
+                       f"`Depends on` does not name" + (" (nor do the patches it names)" if needed else ""))
+            else:
+                failing = set(re.findall(r"(?m)^error: (?:patch failed: )?([^:\s]+)", error))
+                touching = [
+                    n for n in numbers[:numbers.index(number)]
+                    if n not in needed and changed_paths(by_number[n].read_text())
+                    & (failing or changed_paths(patch.read_text()))
+                ]
+                why = ("no single earlier patch makes it apply; it may need several of " + ", ".join(touching) +
+                       " (they change the files it fails on)" if touching else "no earlier patch makes it apply")
+            problems.append(f"{patch.name} does not apply to {on} (what its `Depends on` line needs): {why}\n    " +
+                            "\n    ".join(error.splitlines()[:3]))
+    return problems
 
 
 def cmd_pristine(args):
@@ -507,11 +581,14 @@ def cmd_pristine(args):
     print(f"{dest}: pristine {pin()['version']}")
 
 
-# ---- branches: one stacked branch per patch in an upstream checkout, ready to push as pull requests ----
+# ---- branches: one branch per patch, on the patches it depends on, in an upstream checkout, ready to push as PRs ----
 
 TESTS_MANIFEST = "tests.toml"
 MANIFEST_KEYS = ("tests", "updates", "at", "title")
 UPSTREAM_TESTS = "upstream-tests"
+UPSTREAM_DOCS = "upstream-docs"
+# patches/<folder>/NNNN.diff: a patch's update of upstream's own files, applied on its branch after the patch.
+UPSTREAM_DIFFS = ((UPSTREAM_TESTS, "upstream's tests"), (UPSTREAM_DOCS, "upstream's docs"))
 BRANCH_PREFIX = "ds-fork/"
 # Upstream's own harness: the exported tests import these and run under upstream's copies, never ours.
 UPSTREAM_HARNESS = ("tests/unit/common.py", "tests/unit/util.py", "tests/unit/__init__.py")
@@ -527,6 +604,81 @@ FORK_ONLY_LINES = (re.compile(r"^Generated: tools/cells\.py\b.*$"),
 
 def patch_number(patch):
     return Path(patch).name[:4]
+
+
+DEPENDS_ON = re.compile(r"(?ms)^Depends on:(.*?)(?:\n\s*\n|\Z)")
+
+
+def declared_dependencies(patch, numbers):
+    """The patches a patch's message names in its `Depends on:` paragraph, in series order: `none` (or a paragraph
+    starting with it) names none; otherwise the 4-digit numbers of series patches (other numbers are not patches).
+    A missing paragraph, one that names no patch of the series, or one naming a patch that is not before it in the
+    series is an error."""
+    name, number = Path(patch).name, patch_number(patch)
+    found = DEPENDS_ON.search(series_message(patch))
+    if not found:
+        raise PatchError(f"{name}: its message has no `Depends on:` line; name the patches it needs by number "
+                         f"(`Depends on: 0002 (why)`), or write `Depends on: none`")
+    text = found.group(1).strip()
+    if re.match(r"none\b", text, re.I):
+        return []
+    named = set(re.findall(r"\b(\d{4})\b", text)) & set(numbers) - {number}
+    later = sorted(n for n in named if numbers.index(n) > numbers.index(number))
+    if later:
+        raise PatchError(f"{name}: `Depends on` names {', '.join(later)}, after it in the series: a patch can "
+                         f"depend only on patches before it (reorder the series, or correct the line)")
+    if not named:
+        raise PatchError(f"{name}: `Depends on: {text.splitlines()[0]}` names no patch of the series; write "
+                         f"`Depends on: none` if it applies to upstream alone")
+    return [n for n in numbers if n in named]
+
+
+def dependency_closures(series, problems=None):
+    """{number: the numbers of every patch it needs, its declared dependencies and theirs, in series order}. An
+    unreadable `Depends on` raises; given a list `problems`, it is added there instead, and that patch and those
+    that depend on it get None."""
+    numbers = [patch_number(p) for p in series]
+    closures = {}
+    for patch in series:
+        try:
+            deps = declared_dependencies(patch, numbers)
+        except PatchError as err:
+            if problems is None:
+                raise
+            problems.append(str(err))
+            deps = None
+        if deps is None or any(closures[d] is None for d in deps):
+            closures[patch_number(patch)] = None
+            continue
+        needed = set()
+        for dep in deps:
+            needed |= {dep, *closures[dep]}
+        closures[patch_number(patch)] = [n for n in numbers if n in needed]
+    return closures
+
+
+def stacked_on(number, closures):
+    """The dependency whose branch this patch's branch sits on when its dependencies form one chain (the last of
+    them, whose own closure is the rest); None when it has none, or needs patches that are not one chain."""
+    needed = closures[number]
+    if needed and set(closures[needed[-1]]) | {needed[-1]} == set(needed):
+        return needed[-1]
+    return None
+
+
+def stray_diffs(patches_dir, series):
+    """(path, why) for each file in patches/upstream-tests/ and patches/upstream-docs/ that is not NNNN.diff for a
+    patch of the series (a diff left behind by a renumbering would silently be applied to no branch)."""
+    numbers = [patch_number(p) for p in series]
+    stray = []
+    for folder, _ in UPSTREAM_DIFFS:
+        for path in sorted((Path(patches_dir) / folder).glob("*.diff")):
+            if not re.fullmatch(r"\d{4}\.diff", path.name):
+                stray.append((path, "not named NNNN.diff after the patch whose branch it belongs to"))
+            elif path.stem not in numbers:
+                stray.append((path, f"patch {path.stem} is not in the series (renumbered? rename the file after "
+                              f"its patch's number)"))
+    return stray
 
 
 def read_tests_manifest(patches_dir, series):
@@ -593,7 +745,7 @@ def imported_helpers(test_files, source, rev="HEAD"):
 def ensure_series_objects(checkout, fork, patches_dir):
     """Give the checkout every blob the series was made against, for `git am -3`: the pristine upstream commit
     (fork/'s `upstream` tag, else one built from the pinned sdist) and, from patches/ applied to it in a scratch
-    index, the tree after each patch. Kept reachable under refs/ds-fork/."""
+    index, the tree after each patch. Kept reachable under refs/ds-fork/; returns the pristine commit's ref."""
     ref = f"refs/ds-fork/pristine-{pin()['version']}"
     if Path(fork, ".git").is_dir() and has_ref(fork, f"refs/tags/{UPSTREAM_TAG}"):
         git(checkout, "fetch", "--quiet", "--no-tags", str(Path(fork).resolve()), f"+refs/tags/{UPSTREAM_TAG}:{ref}")
@@ -612,65 +764,91 @@ def ensure_series_objects(checkout, fork, patches_dir):
             tree = git(checkout, "write-tree", env=env)
             commit = git(checkout, "commit-tree", tree, "-p", commit, "-m", Path(patch).name, env=env)
         git(checkout, "update-ref", "refs/ds-fork/series", commit)
+    return ref
 
 
 def branch_name(patch, prefix):
     return prefix + Path(patch).name[:-len(".patch")]
 
 
-def depends_legend(message, number, series, prefix, titles):
-    """For upstream readers: where this branch sits in the stack, and the patches the text names by number, with
+def listing(items):
+    items = list(items)
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def depends_legend(message, number, series, prefix, titles, closures):
+    """For upstream readers: what this branch builds on (upstream alone, the branch of the patch it is stacked on,
+    or the commits of the patches it depends on), and the patches it depends on or the text names by number, with
     their titles (a tests.toml title where there is one) and branches."""
     numbers = [patch_number(p) for p in series]
     subjects = {
         patch_number(p): (titles.get(patch_number(p)) or series_message(p).splitlines()[0], branch_name(p, prefix))
         for p in series
     }
-    position = numbers.index(number)
-    if position == 0:
-        return ""
-    named = sorted(set(re.findall(r"\b(\d{4})\b", message)) & set(numbers[:position]))
-    previous = numbers[position - 1]
+    needed, on, branch = closures[number], stacked_on(number, closures), subjects[number][1]
+    named = sorted((set(re.findall(r"\b(\d{4})\b", message)) & set(numbers) | set(needed)) - {number})
     lines = [f"- {n}: {subjects[n][0]} (branch `{subjects[n][1]}`)" for n in named]
-    return (f"This pull request is one of a stack: its branch `{subjects[number][1]}` builds on "
-            f"`{subjects[previous][1]}` (patch {previous}, in its own pull request). Until that one is merged this "
-            f"one also shows the commits below it: review only its top commit, named as its title." +
-            ("\nPatches named here by number:\n" + "\n".join(lines) if lines else ""))
+    if not needed:
+        text = (f"This pull request depends on no other: its branch `{branch}` is this one commit on upstream, to "
+                f"review and merge on its own.")
+    else:
+        if on:
+            below = [n for n in needed if n != on]
+            text = (
+                f"This pull request is one of a stack: its branch `{branch}` builds on `{subjects[on][1]}` "
+                f"(patch {on}, in its own pull request)" +
+                (f", which carries the patches it depends on, {listing(needed)}, one commit each" if below else "") +
+                ".")
+        else:
+            text = (f"This pull request depends on patches {listing(needed)}, each in its own pull request: its "
+                    f"branch `{branch}` carries their commits on upstream, one per patch in that order, then its own.")
+        text += (f" Until {'that one is' if len(needed) == 1 else 'they are'} merged this one also shows "
+                 f"{'its commit' if len(needed) == 1 else 'their commits'}: review only its top commit, named as its "
+                 f"title.")
+    return text + ("\nPatches named here by number:\n" + "\n".join(lines) if lines else "")
 
 
-def pr_description(message, number, series, prefix, titles):
-    """The patch message as the pull request's description: fork-only lines dropped, a legend of the patch
-    numbers it names right after its `Depends on` paragraph, and the title from patches/tests.toml if it has one."""
+def pr_description(message, number, series, prefix, titles, closures):
+    """The patch message as the pull request's description: fork-only lines dropped, right after its `Depends on`
+    paragraph a legend of what its branch builds on and the patch numbers it names, and the title from
+    patches/tests.toml if it has one."""
     message = EARLIER_VERSION.sub("", message)
     lines = [line for line in message.splitlines() if not any(p.fullmatch(line) for p in FORK_ONLY_LINES)]
     if titles.get(number):
         lines[0] = titles[number]
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
-    legend = depends_legend(text, number, series, prefix, titles)
-    if legend:
-        paragraphs = text.split("\n\n")
-        at = next((i + 1 for i, p in enumerate(paragraphs) if p.startswith("Depends on")), 1)
-        paragraphs.insert(at, legend)
-        text = "\n\n".join(paragraphs)
-    return text
+    legend = depends_legend(text, number, series, prefix, titles, closures)
+    paragraphs = text.split("\n\n")
+    at = next((i + 1 for i, p in enumerate(paragraphs) if p.startswith("Depends on")), 1)
+    paragraphs.insert(at, legend)
+    return "\n\n".join(paragraphs)
 
 
-def branch_test_files(entry, number, placed, source):
+def branch_test_files(entry, number, placed, source, listed=None):
     """{path: text} of the test files one branch adds or changes, at its table's commit (`at`, default HEAD): its
-    own tests, the earlier branches' tests it updates (`updates`), and the unit.* helpers they import that no
-    earlier branch placed, or placed with other text. `placed` holds what the earlier branches carry."""
+    own tests, its dependencies' tests it updates (`updates`), and the unit.* helpers they import that no
+    dependency's branch placed, or placed with other text. `placed` holds what the branches of the patches it
+    depends on carry (its base); `listed` {test file: patch number} the `tests` of every earlier patch."""
     rev = entry["at"]
     if subprocess.run(["git", "-C", str(source), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
                       capture_output=True).returncode != 0:
         raise PatchError(f"patches/tests.toml [{number}]: at = \"{rev}\" is not a commit of {source}")
     again = [f for f in entry["tests"] if f in placed]
     if again:
-        raise PatchError(f"patches/tests.toml [{number}] lists {', '.join(again)} under `tests`, which an earlier "
-                         f"patch's branch already carries: list it under `updates` to carry this patch's change")
+        raise PatchError(f"patches/tests.toml [{number}] lists {', '.join(again)} under `tests`, which the branch "
+                         f"of a patch it depends on already carries: list it under `updates` to carry this patch's "
+                         f"change")
+    listed = listed or {}
+    elsewhere = [f"{f} (under `tests` of [{listed[f]}] too)" for f in entry["tests"] if f in listed]
+    if elsewhere:
+        raise PatchError(f"patches/tests.toml [{number}] lists {', '.join(elsewhere)}, a patch {number} does not "
+                         f"depend on: both pull requests would add the file. Add that patch to its `Depends on` and "
+                         f"list the file under `updates`, or give it another name")
     not_placed = [f for f in entry["updates"] if f not in placed]
     if not_placed:
-        raise PatchError(f"patches/tests.toml [{number}] updates {', '.join(not_placed)}, which no earlier patch's "
-                         f"tests list: name it under `tests`")
+        raise PatchError(f"patches/tests.toml [{number}] updates {', '.join(not_placed)}, which no patch it depends "
+                         f"on (its `Depends on`, transitively) carries: name it under `tests`, or add the patch "
+                         f"whose tests list it to its `Depends on`")
     files = entry["tests"] + entry["updates"]
     files += [h for h in imported_helpers(files, source, rev) if h not in files]
     texts = {}
@@ -694,17 +872,45 @@ def place_tests(worktree, base, texts):
         git(worktree, "add", "--", *texts)
 
 
-def apply_upstream_test_update(worktree, patches_dir, number):
-    diff = Path(patches_dir) / UPSTREAM_TESTS / f"{number}.diff"
-    if not diff.exists():
-        return None
-    proc = subprocess.run(["git", "-C", str(worktree), "apply", "--index",
-                           str(diff.resolve())],
-                          capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise PatchError(f"{diff} (upstream's tests updated by patch {number}) does not apply:\n{proc.stderr}")
-    return diff
+def apply_upstream_updates(worktree, patches_dir, number):
+    """Apply the patch's updates of upstream's tests and docs (patches/upstream-tests/, upstream-docs/ NNNN.diff)
+    to the worktree and its index; returns the diffs applied."""
+    applied = []
+    for folder, what in UPSTREAM_DIFFS:
+        diff = Path(patches_dir) / folder / f"{number}.diff"
+        if not diff.exists():
+            continue
+        proc = subprocess.run(["git", "-C", str(worktree), "apply", "--index",
+                               str(diff.resolve())],
+                              capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise PatchError(f"{diff} ({what} updated by patch {number}) does not apply:\n{proc.stderr}")
+        applied.append(diff)
+    return applied
+
+
+def check_upstream_updates(checkout, base, patches_dir, series, closures):
+    """Before any branch is written: each patch's diffs of upstream's tests and docs apply to the base plus those
+    of the patches it depends on (series order), in a scratch index; the series' code patches do not touch
+    upstream's tests/ and docs/."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        for patch in series:
+            number = patch_number(patch)
+            own = [Path(patches_dir) / folder / f"{number}.diff" for folder, _ in UPSTREAM_DIFFS]
+            if not any(d.exists() for d in own):
+                continue
+            git(checkout, "read-tree", base, env=env)
+            for n in closures[number] + [number]:
+                for folder, what in UPSTREAM_DIFFS:
+                    diff = Path(patches_dir) / folder / f"{n}.diff"
+                    error = apply_cached(checkout, diff, env) if diff.exists() else ""
+                    if error:
+                        on = "the base" + (f" + the diffs of {', '.join(closures[number])}"
+                                           if closures[number] else "")
+                        raise PatchError(f"{diff} ({what} updated by patch {n}) does not apply to {on} (patch "
+                                         f"{number}'s branch):\n{error}")
 
 
 def symlinks(worktree, rev):
@@ -779,18 +985,19 @@ def require_identity(checkout):
                              f"commit")
 
 
-def build_branch(worktree, patch, tip, files, args):
-    """The branch of one patch: the patch commit on `tip`, with its tests and upstream-test update folded in and
-    the pull-request description as its message. Returns what was added."""
+def build_branch(worktree, patch, tip, on, files, args):
+    """The branch of one patch: the patch commit on `tip` (described as `on`), with its tests and its updates of
+    upstream's tests and docs folded in and the pull-request description as its message. Returns what was added."""
     number = patch_number(patch)
     git(worktree, "checkout", "--quiet", "--detach", tip)
-    am_three_way(worktree, patch, f"{args.on} ({tip[:12]})")
+    am_three_way(worktree, patch, f"{on} ({tip[:12]})")
     if git(worktree, "rev-parse", "HEAD") == git(worktree, "rev-parse", tip):
         raise PatchError(f"{Path(patch).name} changes nothing on {tip}: upstream already has it (drop it from the "
                          f"series), or pass --base with an upstream commit before it")
     place_tests(worktree, args.base_ref, files)
-    diff = apply_upstream_test_update(worktree, args.patches, number)
-    message = pr_description(series_message(patch), number, read_series(args.patches), args.prefix, args.titles)
+    diffs = apply_upstream_updates(worktree, args.patches, number)
+    message = pr_description(series_message(patch), number, read_series(args.patches), args.prefix, args.titles,
+                             args.closures)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(message)
     try:
@@ -800,7 +1007,43 @@ def build_branch(worktree, patch, tip, files, args):
         os.unlink(f.name)
     name = branch_name(patch, args.prefix)
     git(worktree, "branch", "--force", name, "HEAD")
-    return name, diff
+    return name, diffs
+
+
+def branch_base(worktree, patch, closures, built, args):
+    """(commit, description) a patch's branch starts from: the base with exactly the patches it depends on, in
+    series order, each the commit of its own branch (its patch, tests and updates, its description): that commit
+    itself where it already sits on what comes before it (so a chain of dependencies is the last one's branch),
+    else the same commit cherry-picked (author and message kept; a test file that two dependencies, neither
+    depending on the other, carry in different versions takes the later one's, as placed_by plans)."""
+    number = patch_number(patch)
+    tip = args.base_ref
+    for dep in closures[number]:
+        commit = built[dep]
+        if git(worktree, "rev-parse", f"{commit}^") == tip:
+            tip = commit
+            continue
+        git(worktree, "checkout", "--quiet", "--detach", tip)
+        proc = subprocess.run(["git", "-C", str(worktree), "cherry-pick", commit], capture_output=True, text=True)
+        conflicts = git(worktree, "diff", "--name-only", "--diff-filter=U", check=False).split()
+        if proc.returncode != 0 and conflicts and set(conflicts) <= args.test_files:
+            # Test files two independent dependencies carry in different versions: the later one's, as planned
+            # (placed_by); its commit keeps its message and author.
+            git(worktree, "checkout", "--theirs", "--", *conflicts)
+            git(worktree, "add", "--", *conflicts)
+            git(worktree, "commit", "--quiet", "--no-verify", "-C", commit)
+            git(worktree, "cherry-pick", "--quit", check=False)
+        elif proc.returncode != 0:
+            git(worktree, "cherry-pick", "--abort", check=False)
+            raise PatchError(f"patch {number} depends on {', '.join(closures[number])}, whose branches' commits do "
+                             f"not combine: {dep}'s does not apply after " +
+                             ", ".join(closures[number][:closures[number].index(dep)]) +
+                             (f" (conflicts in {', '.join(conflicts)})" if conflicts else "") +
+                             f"\n{proc.stdout}{proc.stderr}")
+        tip = git(worktree, "rev-parse", "HEAD")
+    deps = closures[number]
+    on = args.on if not deps else f"{args.on} + " + ", ".join(deps)
+    return tip, on
 
 
 def existing_branches(checkout, names):
@@ -820,32 +1063,73 @@ def cmd_branches(args):
                          f"committed: commit them first\n{uncommitted}")
     tests = read_tests_manifest(args.patches, series)
     args.titles = {n: entry.get("title") for n, entry in tests.items()}
+    args.closures = closures = dependency_closures(series)
+    stray = stray_diffs(args.patches, series)
+    if stray:
+        raise PatchError("\n".join(f"{diff}: {why}" for diff, why in stray))
     names = [branch_name(p, args.prefix) for p in series]
     taken = existing_branches(checkout, names)
     if taken and not args.force:
         raise PatchError(f"{checkout} already has {', '.join(taken)}; --force rewrites them")
     require_identity(checkout)
     base = git(checkout, "rev-parse", "--verify", f"{args.base}^{{commit}}")
-    ensure_series_objects(checkout, args.fork, args.patches)
+    pristine = ensure_series_objects(checkout, args.fork, args.patches)
+    wrong = dependency_problems(checkout, series, pristine)
+    if wrong:  # git am -3 could merge a patch without a dependency it needs: refused (make check names these too)
+        raise PatchError("a `Depends on` line does not match what its patch needs:\n" + "\n".join(wrong))
     args.base_ref, args.on = base, args.base
     worktree = Path(tempfile.mkdtemp(prefix="ds-fork-branches-")) / "tree"
     git(checkout, "worktree", "add", "--quiet", "--detach", str(worktree), base)
     try:
-        tip, placed, plan = base, {}, []
-        for patch in series:  # every manifest mistake before any branch is written
-            files = branch_test_files(tests[patch_number(patch)], patch_number(patch), placed, args.source)
-            placed.update(files)
-            plan.append((patch, files))
-        for patch, files in plan:
-            name, diff = build_branch(worktree, patch, tip, files, args)
-            args.on = name
-            tip = git(worktree, "rev-parse", "HEAD")
-            print(f"{name}: {Path(patch).name}" + (f" + {len(files)} test files" if files else "") +
-                  (f" + {diff.relative_to(Path(args.patches).parent)}" if diff else ""))
+        files_of, listed, plan = {}, {}, []
+        for patch in series:  # every manifest and diff mistake before any branch is written
+            number = patch_number(patch)
+            placed = placed_by(number, closures, files_of)
+            files_of[number] = branch_test_files(tests[number], number, placed, args.source, listed)
+            listed.update((f, number) for f in tests[number]["tests"])
+            plan.append(patch)
+        check_upstream_updates(checkout, base, args.patches, series, closures)
+        args.test_files = {rel for files in files_of.values() for rel in files}
+        built, branches = {}, {}
+        for patch in plan:
+            number = patch_number(patch)
+            tip, on = branch_base(worktree, patch, closures, built, args)
+            name, diffs = build_branch(worktree, patch, tip, on, files_of[number], args)
+            built[number] = git(worktree, "rev-parse", "HEAD")
+            below, branches[number] = stacked_on(number, closures), name
+            where = branches[below] if below else " + ".join([args.base] + closures[number])
+            print(f"{name}: {Path(patch).name} on {where}" +
+                  (f" + {len(files_of[number])} test files" if files_of[number] else "") +
+                  "".join(f" + {d.relative_to(Path(args.patches).parent)}" for d in diffs))
     finally:
         git(checkout, "worktree", "remove", "--force", str(worktree), check=False)
         shutil.rmtree(worktree.parent, ignore_errors=True)
-    print(f"{len(series)} stacked branches on {args.base} ({base[:12]}) in {checkout}; the top is {names[-1]}")
+    for a, b, rel in diverging_files([patch_number(p) for p in series], closures, files_of):
+        both = [n for n in closures if {a, b} <= set(closures[n])]
+        print(f"note: {branches[a]} and {branches[b]} (neither depends on the other) both add {rel}, in different "
+              f"versions: whichever pull request is merged second must be rebased onto the other's" +
+              (f"; below {', '.join(both)}, which need{'s' if len(both) == 1 else ''} both, {b}'s commit replaces "
+               f"{a}'s version" if both else ""),
+              flush=True)
+    print(f"{len(series)} branches on {args.base} ({base[:12]}) in {checkout}, each with exactly the patches its "
+          f"`Depends on` needs below it")
+
+
+def placed_by(number, closures, files_of):
+    """{path: text} of the test files in a patch's base: those the branches of the patches it depends on carry,
+    in series order (a later one's version of a file replaces an earlier one's, as its commit does)."""
+    placed = {}
+    for dep in closures[number]:
+        placed.update(files_of[dep])
+    return placed
+
+
+def diverging_files(numbers, closures, files_of):
+    """(earlier, later, path) for the test files that two patches, neither depending on the other, both carry in
+    different versions (patches/tests.toml `at`, or a helper changed in between): their pull requests conflict
+    there, whichever is merged second."""
+    return [(a, b, rel) for i, a in enumerate(numbers) for b in numbers[i + 1:] if a not in closures[b]
+            for rel in sorted(set(files_of[a]) & set(files_of[b])) if files_of[a][rel] != files_of[b][rel]]
 
 
 # ---- readme: the README's list of patches, one line per patch of the series, between markers ----
@@ -930,9 +1214,10 @@ def main(argv=None):
     p_pristine = sub.add_parser("pristine")
     p_pristine.add_argument("--dest", default=str(ROOT / "pristine"))
     p_branches = sub.add_parser("branches",
-                                help="write one stacked branch per patch into an upstream checkout (pull requests)")
+                                help="write one branch per patch, on the patches it depends on, into an upstream "
+                                "checkout (pull requests)")
     p_branches.add_argument("checkout", help="a git checkout of upstream DeepSpeed")
-    p_branches.add_argument("--base", default="HEAD", help="the upstream commit the first branch starts from")
+    p_branches.add_argument("--base", default="HEAD", help="the upstream commit the branches start from")
     p_branches.add_argument("--prefix", default=BRANCH_PREFIX, help="branch name prefix")
     p_branches.add_argument("--force", action="store_true", help="rewrite branches of a previous run")
     p_branches.add_argument("--source",

@@ -68,7 +68,7 @@ def test_check_catches_unexported_work_until_exported(scratch):
     refused = run_tool("--fork", str(fork), "--patches", str(patches), "import")
     assert refused.returncode != 0 and "unexported work" in refused.stderr
 
-    git(fork, "commit", "--quiet", "-am", "ZeRO-3: an unexported change")
+    git(fork, "commit", "--quiet", "-am", "ZeRO-3: an unexported change\n\nDepends on: none.")
     result = check(fork, patches)
     assert result.returncode != 0
     assert "unexported commit:" in result.stderr and "ZeRO-3: an unexported change" in result.stderr
@@ -96,6 +96,41 @@ def test_check_fails_when_a_patch_does_not_apply(scratch, tmp_path):
     result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(broken), "check")
     assert result.returncode != 0
     assert "9999-broken.patch does not apply" in result.stderr
+    assert "9999-broken.patch: its message has no `Depends on:` line" in result.stderr
+
+
+def test_check_names_a_dependency_a_patch_does_not_declare(scratch, tmp_path):
+    """A patch made on the first patch of the series, whose `Depends on` says none: the check applies it to
+    pristine upstream alone, where it fails, and names the patch and the one it needs."""
+    fork, patches = scratch
+    first = (patches / "series").read_text().split()[0]
+    made = tmp_path / "made"
+    git(tmp_path, "clone", "--quiet", str(fork), str(made))
+    git(made, "checkout", "--quiet", "--detach", git(fork, "rev-list", "--reverse", "upstream..HEAD").split()[0])
+    changed = git(made, "diff", "--name-only", "HEAD^", "HEAD", "--", "*.py").split()[0]
+    added = next(line[1:] for line in git(made, "diff", "HEAD^", "HEAD", "--", changed).splitlines()
+                 if line.startswith("+") and not line.startswith("+++") and line[1:].strip())
+    target = made / changed
+    target.write_text(target.read_text().replace(added + "\n", added + "\n# a line next to the first patch's\n", 1))
+    git(made, "-c", "user.name=test", "-c", "user.email=test@localhost", "commit", "--quiet", "-am",
+        "ZeRO-3: needs the first patch\n\nDepends on: none.")
+    series = tmp_path / "patches"
+    shutil.copytree(patches, series)
+    (series / "9999-needs-the-first-patch.patch").write_text(
+        git(made, "format-patch", "--stdout", "-1", "--zero-commit", "--full-index", "HEAD"))
+    with open(series / "series", "a") as f:
+        f.write("9999-needs-the-first-patch.patch\n")
+    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(series), "check")
+    assert result.returncode != 0
+    assert ("9999-needs-the-first-patch.patch does not apply to pristine 0.19.8 (what its `Depends on` line needs): "
+            f"it needs {first[:4]} (") in result.stderr, result.stderr
+    assert f"error: patch failed: {changed}" in result.stderr
+    # named, it passes that check (the series' own lines pass it too)
+    patch = series / "9999-needs-the-first-patch.patch"
+    patch.write_text(patch.read_text().replace("Depends on: none.", f"Depends on: {first[:4]}."))
+    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(series), "check")
+    assert "9999-needs-the-first-patch.patch does not apply to pristine" not in result.stderr
+    assert "`Depends on`" not in result.stderr, result.stderr
 
 
 def test_sdist_hash_mismatch_is_refused(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ description as the message; a patch that conflicts stops the export by name. On 
 network, no sdist)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,11 +258,11 @@ def test_a_later_patch_updates_an_earlier_patchs_tests(scratch):
         "csrc/shm.cpp", "deepspeed/ops/csrc/shm.cpp", "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py",
         "tests/unit/checkpoint/test_upstream.py", "tests/unit/tiny_helpers.py", "tests/unit/v1/zero/test_first.py"
     ]
-    # an update of a file no earlier patch carries is a manifest mistake, named
+    # an update of a file no patch it depends on carries is a manifest mistake, named
     (patches / "tests.toml").write_text('[0001]\ntests = []\n\n[0002]\ntests = []\n'
                                         'updates = ["tests/unit/v1/zero/test_first.py"]\n')
     result = branches(*scratch, "--force")
-    assert result.returncode != 0 and "which no earlier patch's tests list" in result.stderr
+    assert result.returncode != 0 and "which no patch it depends on" in result.stderr
 
 
 def test_a_change_to_a_linked_copy_goes_to_the_real_file_only(scratch):
@@ -322,3 +323,203 @@ def test_a_change_to_a_linked_copy_alone_is_refused(scratch):
     result = branches(*scratch)
     assert result.returncode != 0
     assert "deepspeed/ops/csrc/shm.cpp, under a path upstream's git has as a symbolic link" in result.stderr
+
+
+# ---- branches follow `Depends on`: each sits on the base plus exactly the patches it needs ----
+
+
+def set_depends(patches, number, line):
+    """Rewrite the `Depends on` line in a patch file's message (None: drop it)."""
+    patch = next(patches.glob(f"{number}-*.patch"))
+    text = patch.read_text()
+    patch.write_text(re.sub(r"(?m)^Depends on: .*\n\n", "" if line is None else line + "\n\n", text, count=1))
+
+
+def add_third(scratch, depends):
+    """A third patch, made on the fork after the other two: it fixes engine.py's line 3, next to 0001's fix of line
+    2 (its context), so it needs 0001 and not 0002."""
+    fork, patches, source, checkout = scratch
+    engine = UPSTREAM["deepspeed/engine.py"].replace("line 2\n", "line 2 fixed\n")
+    commit(fork, f"ZeRO-3: third fix\n\nDepends on: {depends}\n\nSummary\nFixes engine line 3.\n",
+           {"deepspeed/engine.py": engine.replace("line 3\n", "line 3 fixed\n")})
+    (patches / "0003-third-fix.patch").write_text(git(fork, *FORMAT_PATCH, "HEAD") + "\n")
+    with open(patches / "series", "a") as f:
+        f.write("0003-third-fix.patch\n")
+    with open(patches / "tests.toml", "a") as f:
+        f.write("\n[0003]\ntests = []\n")
+
+
+FIRST, SECOND, THIRD = PREFIX + "0001-first-fix", PREFIX + "0002-second-fix", PREFIX + "0003-third-fix"
+
+
+def test_a_patch_that_depends_on_none_sits_on_the_base(scratch):
+    """Its branch is the base and its one commit, without the earlier patches, and carries the helpers its tests
+    import itself (the earlier branch that also carries them is not below it)."""
+    fork, patches, source, checkout = scratch
+    set_depends(patches, "0002", "Depends on: none (touches no file of 0001).")
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    assert git(checkout, "rev-parse", f"{SECOND}^") == git(checkout, "rev-parse", "master")
+    assert show(checkout, SECOND, "deepspeed/engine.py").splitlines()[1] == "line 2"  # no 0001 below it
+    files = git(checkout, "diff", "--name-only", f"{SECOND}^", SECOND).split()
+    assert "tests/unit/tiny_helpers.py" in files and "tests/unit/checkpoint/deeper_helpers.py" in files
+    text = git(checkout, "log", "-1", "--format=%B", SECOND)
+    assert f"This pull request depends on no other: its branch `{SECOND}` is this one commit on upstream" in text
+    assert "stack" not in text and "builds on" not in text
+    # the legend follows the `Depends on` paragraph and lists the patch the text names
+    paragraphs = text.split("\n\n")
+    at = next(i for i, p in enumerate(paragraphs) if p.startswith("Depends on"))
+    assert paragraphs[at + 1].startswith("This pull request depends on no other")
+    assert f"- 0001: ZeRO-3: first fix (branch `{FIRST}`)" in paragraphs[at + 1]
+    assert f"{SECOND}: 0002-second-fix.patch on HEAD + " in result.stdout  # the default base
+
+
+def test_a_dependent_patch_sits_on_its_dependency_alone(scratch):
+    """0003 needs 0001 only: stacked on 0001's branch, without 0002 (before it in the series)."""
+    fork, patches, source, checkout = scratch
+    set_depends(patches, "0002", "Depends on: none.")
+    add_third(scratch, "0001 (the engine fix next to this one).")
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    assert git(checkout, "rev-parse", f"{THIRD}^") == git(checkout, "rev-parse", FIRST)
+    engine = show(checkout, THIRD, "deepspeed/engine.py").splitlines()
+    assert engine[1:3] == ["line 2 fixed", "line 3 fixed"] and engine[-1] == "line 20 upstream"
+    assert show(checkout, THIRD, "deepspeed/stage3.py") == "a = 1"  # 0002 is not below it
+    text = git(checkout, "log", "-1", "--format=%B", THIRD)
+    assert f"its branch `{THIRD}` builds on `{FIRST}` (patch 0001, in its own pull request)." in text
+    assert "Until that one is merged this one also shows its commit" in text
+
+
+def test_a_patch_that_depends_on_independent_patches_carries_their_commits(scratch):
+    """0003 needs 0001 and 0002, which do not depend on each other: its branch is the base, 0001's own commit,
+    0002's commit (the same change, message and author, on 0001), then 0003. 0001 and 0002 carry a helper in
+    different versions: below 0003 the later one's, and the run says that their pull requests conflict there."""
+    fork, patches, source, checkout = scratch
+    before = git(source, "rev-parse", "HEAD")
+    commit(source, "a newer helper",
+           {"tests/unit/tiny_helpers.py": "from unit.checkpoint import deeper_helpers  "
+            "# noqa\nmodel = 2\n"})
+    (patches / "tests.toml").write_text(f'[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\nat = "{before}"\n\n'
+                                        '[0002]\ntests = ["tests/unit/checkpoint/test_second.py"]\n')
+    set_depends(patches, "0002", "Depends on: none.")
+    add_third(scratch, "0001 (the engine fix next to this one) and 0002 (to be tested with it).")
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    assert git(checkout, "rev-parse", f"{THIRD}~3") == git(checkout, "rev-parse", "master")
+    assert git(checkout, "rev-parse", f"{THIRD}~2") == git(checkout, "rev-parse", FIRST)  # 0001's own commit
+    picked = f"{THIRD}~1"
+    assert git(checkout, "rev-parse", picked) != git(checkout, "rev-parse", SECOND)
+    assert git(checkout, "log", "-1", "--format=%B%an", picked) == git(checkout, "log", "-1", "--format=%B%an", SECOND)
+    own = ("deepspeed", "csrc", "tests/unit/checkpoint/test_second.py", "tests/unit/checkpoint/test_upstream.py")
+    assert git(checkout, "diff", f"{picked}^", picked, "--", *own) == git(checkout, "diff", f"{SECOND}^", SECOND, "--",
+                                                                          *own)
+    assert show(checkout, THIRD, "deepspeed/stage3.py") == "a = 2"
+    assert show(checkout, THIRD, "deepspeed/engine.py").splitlines()[1:3] == ["line 2 fixed", "line 3 fixed"]
+    assert show(checkout, FIRST, "tests/unit/tiny_helpers.py").endswith("model = 1")
+    assert show(checkout, SECOND, "tests/unit/tiny_helpers.py").endswith("model = 2")
+    assert show(checkout, THIRD, "tests/unit/tiny_helpers.py").endswith("model = 2")
+    assert f"note: {FIRST} and {SECOND} (neither depends on the other) both add tests/unit/tiny_helpers.py" in (
+        result.stdout)
+    text = git(checkout, "log", "-1", "--format=%B", THIRD)
+    assert (f"This pull request depends on patches 0001 and 0002, each in its own pull request: its branch "
+            f"`{THIRD}` carries their commits on upstream, one per patch in that order, then its own.") in text
+    assert f"- 0002: ZeRO-3: second fix (branch `{SECOND}`)" in text
+
+
+def test_updates_and_tests_follow_the_dependencies(scratch):
+    """`updates` names a file of a patch it depends on; a file listed under `tests` of a patch it does not depend
+    on would be added by two pull requests: both refused, named."""
+    fork, patches, source, checkout = scratch
+    set_depends(patches, "0002", "Depends on: none.")
+    (patches / "tests.toml").write_text('[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\n\n[0002]\ntests = []\n'
+                                        'updates = ["tests/unit/v1/zero/test_first.py"]\n')
+    result = branches(*scratch)
+    assert result.returncode != 0 and "[0002] updates tests/unit/v1/zero/test_first.py, which no patch it depends" \
+        in result.stderr, result.stderr
+    (patches / "tests.toml").write_text('[0001]\ntests = ["tests/unit/v1/zero/test_first.py"]\n\n'
+                                        '[0002]\ntests = ["tests/unit/v1/zero/test_first.py"]\n')
+    result = branches(*scratch)
+    assert result.returncode != 0 and "a patch 0002 does not depend on" in result.stderr, result.stderr
+    assert git(checkout, "for-each-ref", f"refs/heads/{PREFIX}") == ""  # refused before any branch is written
+
+
+def test_a_wrong_depends_on_is_refused_naming_the_missing_dependency(scratch):
+    """0003 needs 0001's change as context but says it depends on none: `git am -3` could merge it anyway, so the
+    branches refuse it, as the check does, naming the patch and the dependency it misses."""
+    fork, patches, source, checkout = scratch
+    set_depends(patches, "0002", "Depends on: none.")
+    add_third(scratch, "none.")
+    result = branches(*scratch)
+    assert result.returncode != 0
+    assert ("0003-third-fix.patch does not apply to pristine 0.19.8 (what its `Depends on` line needs): it needs "
+            "0001 (ZeRO-3: first fix), which its `Depends on` does not name") in result.stderr, result.stderr
+    assert "error: patch failed: deepspeed/engine.py" in result.stderr
+    assert git(checkout, "for-each-ref", f"refs/heads/{PREFIX}") == ""
+    # the function `make check` runs, on the pristine tree the fork is imported on
+    sys.path.insert(0, str(ROOT / "tools"))
+    import patches as tool
+    series = tool.read_series(patches)
+    problems = tool.dependency_problems(fork, series)
+    assert len(
+        problems) == 1 and "0003-third-fix.patch does not apply" in problems[0] and "it needs 0001" in problems[0]
+    set_depends(patches, "0003", "Depends on: 0001.")
+    assert tool.dependency_problems(fork, tool.read_series(patches)) == []
+    # a dependency named through another patch counts: 0002 depends on 0001, 0003 on 0002
+    set_depends(patches, "0002", "Depends on: 0001.")
+    set_depends(patches, "0003", "Depends on: 0002 (its stage3 fix).")
+    assert tool.dependency_problems(fork, tool.read_series(patches)) == []
+
+
+@pytest.mark.parametrize("line, error", [
+    (None, "0002-second-fix.patch: its message has no `Depends on:` line"),
+    ("Depends on: 0099 (gone).", "`Depends on: 0099 (gone).` names no patch of the series"),
+    ("Depends on: 0003.", "`Depends on` names 0003, after it in the series"),
+])
+def test_an_unreadable_depends_on_is_named(scratch, line, error):
+    fork, patches, source, checkout = scratch
+    add_third(scratch, "0001.")
+    set_depends(patches, "0002", line)
+    result = branches(*scratch)
+    assert result.returncode != 0 and error in result.stderr, result.stderr
+    sys.path.insert(0, str(ROOT / "tools"))
+    import patches as tool
+    assert any(error in p for p in tool.dependency_problems(fork, tool.read_series(patches)))
+
+
+# ---- patches/upstream-docs/NNNN.diff: a patch's update of upstream's docs, on its branch ----
+
+DOCS_DIFF = ("--- a/docs/checkpointing.md\n+++ b/docs/checkpointing.md\n@@ -1,2 +1,3 @@\n # Checkpointing\n"
+             "+A new argument.\n Resume with load_checkpoint.\n")
+
+
+def docs_upstream(checkout):
+    commit(checkout, "upstream docs", {"docs/checkpointing.md": "# Checkpointing\nResume with load_checkpoint.\n"})
+
+
+def test_an_upstream_docs_update_goes_on_its_patchs_branch(scratch):
+    fork, patches, source, checkout = scratch
+    docs_upstream(checkout)
+    (patches / "upstream-docs").mkdir()
+    (patches / "upstream-docs" / "0001.diff").write_text(DOCS_DIFF)
+    result = branches(*scratch)
+    assert result.returncode == 0, result.stderr
+    assert "A new argument." in show(checkout, FIRST, "docs/checkpointing.md")
+    assert "docs/checkpointing.md" in git(checkout, "diff", "--name-only", f"{FIRST}^", FIRST).split()
+    assert "patches/upstream-docs/0001.diff" in result.stdout
+    assert "docs/checkpointing.md" not in git(checkout, "diff", "--name-only", f"{SECOND}^", SECOND).split()
+
+
+@pytest.mark.parametrize("name, text, error", [
+    ("0007.diff", DOCS_DIFF, "upstream-docs/0007.diff: patch 0007 is not in the series"),
+    ("docs.diff", DOCS_DIFF, "upstream-docs/docs.diff: not named NNNN.diff"),
+    ("0002.diff", DOCS_DIFF.replace("Resume with", "Restart with"), "upstream-docs/0002.diff (upstream's docs "
+     "updated by patch 0002) does not apply to the base + the diffs of 0001"),
+])
+def test_an_upstream_docs_diff_that_cannot_be_placed_is_refused(scratch, name, text, error):
+    fork, patches, source, checkout = scratch
+    docs_upstream(checkout)
+    (patches / "upstream-docs").mkdir()
+    (patches / "upstream-docs" / name).write_text(text)
+    result = branches(*scratch)
+    assert result.returncode != 0 and error in result.stderr, result.stderr
+    assert git(checkout, "for-each-ref", f"refs/heads/{PREFIX}") == ""  # before any branch is written
