@@ -93,10 +93,13 @@ def test_check_fails_when_a_patch_does_not_apply(scratch, tmp_path):
     (broken / "9999-broken.patch").write_text((ROOT / "tests" / "tooling" / "broken.patch").read_text())
     with open(broken / "series", "a") as f:
         f.write("9999-broken.patch\n")
+    (broken / "upstream-docs").mkdir(exist_ok=True)
+    (broken / "upstream-docs" / "0999.diff").write_text("")  # left behind by a renumbering
     result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(broken), "check")
     assert result.returncode != 0
     assert "9999-broken.patch does not apply" in result.stderr
     assert "9999-broken.patch: its message has no `Depends on:` line" in result.stderr
+    assert "upstream-docs/0999.diff: patch 0999 is not in the series" in result.stderr
 
 
 def test_check_names_a_dependency_a_patch_does_not_declare(scratch, tmp_path):
