@@ -500,9 +500,13 @@ def cmd_check(args):
     return 0
 
 
-def apply_cached(repo, patch, env, check_only=False):
-    """git apply of one patch or diff to the scratch index env names: git's error text, empty when it applies."""
-    cmd = ["git", "-C", str(repo), "apply", "--cached"] + (["--check"] if check_only else [])
+def apply_cached(repo, patch, env):
+    """git apply of one patch or diff to the scratch index env names: git's error text, empty when it applies.
+    Three-way, as `git am -3` applies it on a branch: a patch whose context lines were written after a patch it does
+    not need (an unrelated change a few lines away) applies, one that conflicts does not. Never with --check, which
+    git answers with success for a three-way apply that conflicts: the caller's scratch index is read afresh for each
+    patch anyway."""
+    cmd = ["git", "-C", str(repo), "apply", "--cached", "--3way"]
     proc = subprocess.run(cmd + [str(Path(patch).resolve())],
                           capture_output=True,
                           text=True,
@@ -515,7 +519,7 @@ def changed_paths(patch_text):
 
 
 def dependency_problems(repo, series, pristine=UPSTREAM_TAG):
-    """Each patch checked (git apply --check, in a scratch index) on pristine upstream (the commit `pristine` in repo)
+    """Each patch checked (git apply --3way, in a scratch index) on pristine upstream (the commit `pristine` in repo)
     plus exactly the patches its `Depends on` line needs, applied in series order: a wrong line names the patch and
     the dependency it misses (the first earlier patch that, added with what it needs, makes it apply), and an
     unreadable line is named."""
@@ -531,7 +535,7 @@ def dependency_problems(repo, series, pristine=UPSTREAM_TAG):
             git(repo, "read-tree", pristine, env=env)
             if any(apply_cached(repo, by_number[n], env) for n in below):
                 return None
-            return apply_cached(repo, patch, env, check_only=True)
+            return apply_cached(repo, patch, env)
 
         for patch in series:
             number, needed = patch_number(patch), closures[patch_number(patch)]
@@ -557,7 +561,7 @@ def dependency_problems(repo, series, pristine=UPSTREAM_TAG):
                 why = (f"it needs {missing} ({series_message(by_number[missing]).splitlines()[0]}), which its "
                        f"`Depends on` does not name" + (" (nor do the patches it names)" if needed else ""))
             else:
-                failing = set(re.findall(r"(?m)^error: (?:patch failed: )?([^:\s]+)", error))
+                failing = {a or b for a, b in re.findall(r"(?m)^(?:error: (?:patch failed: )?([^:\s]+)|U (\S+))", error)}
                 touching = [
                     n for n in numbers[:numbers.index(number)]
                     if n not in needed and changed_paths(by_number[n].read_text())
@@ -1136,16 +1140,16 @@ def diverging_files(numbers, closures, files_of):
 
 README_BEGIN = "<!-- patches:begin (tools/patches.py readme) -->"
 README_END = "<!-- patches:end -->"
-DEPENDS_ON = "Depends on:"
+DEPENDS_ON_LABEL = "Depends on:"
 
 
 def depends_on(message):
     """The patch numbers the message's `Depends on:` paragraph names, its parenthesized remarks left out, e.g.
     "0002, 0003"; else what it says ("none"), or "not stated" without such a paragraph."""
-    paragraph = next((p for p in message.split("\n\n") if p.startswith(DEPENDS_ON)), None)
+    paragraph = next((p for p in message.split("\n\n") if p.startswith(DEPENDS_ON_LABEL)), None)
     if paragraph is None:
         return "not stated"
-    value = re.sub(r"\([^)]*\)", "", " ".join(paragraph[len(DEPENDS_ON):].split()))
+    value = re.sub(r"\([^)]*\)", "", " ".join(paragraph[len(DEPENDS_ON_LABEL):].split()))
     numbers = sorted(set(re.findall(r"\b\d{4}\b", value)))
     return ", ".join(numbers) if numbers else " ".join(value.split()).rstrip(". ") or "none"
 

@@ -16,9 +16,9 @@ import branch_tests  # noqa: E402
 
 def test_files_to_run_are_the_manifests_and_the_upstream_updates():
     entry = {"tests": ["tests/unit/checkpoint/test_x.py"], "updates": ["tests/unit/checkpoint/test_y.py"]}
-    ours, upstream = branch_tests.files_to_run(entry, "0005")
+    ours, upstream = branch_tests.files_to_run(entry, "0007")
     assert ours == ["unit/checkpoint/test_x.py", "unit/checkpoint/test_y.py"]
-    assert upstream == ["unit/checkpoint/test_autotp_uc_checkpoint.py"]  # patches/upstream-tests/0005.diff
+    assert upstream == ["unit/checkpoint/test_autotp_uc_checkpoint.py"]  # patches/upstream-tests/0007.diff
     assert branch_tests.files_to_run(entry, "0001")[1] == []
 
 

@@ -127,7 +127,7 @@ def test_check_names_a_dependency_a_patch_does_not_declare(scratch, tmp_path):
     assert result.returncode != 0
     assert ("9999-needs-the-first-patch.patch does not apply to pristine 0.19.8 (what its `Depends on` line needs): "
             f"it needs {first[:4]} (") in result.stderr, result.stderr
-    assert f"error: patch failed: {changed}" in result.stderr
+    assert f"Applied patch to '{changed}' with conflicts" in result.stderr
     # named, it passes that check (the series' own lines pass it too)
     patch = series / "9999-needs-the-first-patch.patch"
     patch.write_text(patch.read_text().replace("Depends on: none.", f"Depends on: {first[:4]}."))
