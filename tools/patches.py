@@ -561,7 +561,8 @@ def dependency_problems(repo, series, pristine=UPSTREAM_TAG):
                 why = (f"it needs {missing} ({series_message(by_number[missing]).splitlines()[0]}), which its "
                        f"`Depends on` does not name" + (" (nor do the patches it names)" if needed else ""))
             else:
-                failing = {a or b for a, b in re.findall(r"(?m)^(?:error: (?:patch failed: )?([^:\s]+)|U (\S+))", error)}
+                failed_or_conflicting = re.findall(r"(?m)^(?:error: (?:patch failed: )?([^:\s]+)|U (\S+))", error)
+                failing = {a or b for a, b in failed_or_conflicting}
                 touching = [
                     n for n in numbers[:numbers.index(number)]
                     if n not in needed and changed_paths(by_number[n].read_text())
