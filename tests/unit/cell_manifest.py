@@ -18,6 +18,9 @@ ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
 HP_LINK = "unit/runtime/zero/test_zero12_hp_link_param_groups.py"
+LOAD_TAG = "unit/checkpoint/test_zero3_load_tag.py"
+FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
+FROZEN = "unit/checkpoint/test_zero_frozen_module_load.py"
 
 # yapf: disable
 CELLS = {
@@ -30,7 +33,19 @@ CELLS = {
     f"{SERIAL}::TestSerialLoadOneNode": dict(checkpoint=["rigid", "universal"]),
     f"{SERIAL}::TestSerialLoadOneNode::test_failure_inside_the_chain_fails_every_rank": dict(checkpoint="rigid"),
     f"{SERIAL}::TestSerialLoadTwoNodes": dict(checkpoint=["rigid", "universal"], layout="none, 2 nodes x 2 ranks"),
-    # 0003: ZeRO-3 fresh-optimizer resume
+    # 0003: ZeRO-3 consolidating loads read the tag asked for
+    LOAD_TAG: dict(feature="resume older tag", stage=3, precision="bf16", checkpoint="rigid"),
+    # 0004: ZeRO-3 honours load_from_fp32_weights=false
+    FP32_FALSE: dict(feature="load_from_fp32_weights=false", stage=3, precision="bf16"),
+    f"{FP32_FALSE}::TestZero3LoadFromFp32WeightsFalse::test_default_restores_the_saved_masters":
+        dict(checkpoint="rigid"),
+    # 0005: loads with frozen parameters
+    FROZEN: dict(feature="frozen parameters", precision="bf16", checkpoint="rigid", layout="trainable set"),
+    f"{FROZEN}::TestZero3FrozenModuleLoad": dict(stage=3),
+    f"{FROZEN}::TestZero3FrozenModuleLoad::test_frozen_at_save_and_load": dict(stage=3, layout="none, frozen"),
+    f"{FROZEN}::TestZero3FrozenModuleLoad::test_frozen_at_another_dp_size": dict(stage=3, layout="dp2->dp1, frozen"),
+    f"{FROZEN}::TestZero2FrozenModuleLoad": dict(stage=2),
+    # 0008: ZeRO-3 fresh-optimizer resume
     ZERO3: dict(feature="resume", stage=3, precision="bf16"),
     f"{ZERO3}::TestZero3ResumeRejected": dict(checkpoint="rigid"),
     f"{ZERO3}::TestZero3ResumeRejected::test_missing_shard_of_one_rank":
@@ -40,7 +55,7 @@ CELLS = {
     f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change_with_a_missing_shard": dict(layout="dp4->dp2"),
     f"{ZERO3}::TestZero3ResumeOlderTag": dict(checkpoint="rigid"),
     f"{ZERO3}::TestZero3UniversalModuleOnly": dict(offload="none", checkpoint="universal", layout="none"),
-    # 0004, 0005: universal checkpoints under AutoTP
+    # 0006, 0007: universal checkpoints under AutoTP
     AUTOTP: dict(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal"),
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[1-converted]": dict(layout="dp2->dp2"),
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_restore_bitwise_and_resume[1-bare_0198]": dict(layout="dp2->dp2"),
@@ -49,10 +64,10 @@ CELLS = {
     f"{AUTOTP}::TestZero3UniversalIntoAutoTP::test_bad_folder_refused_on_every_rank": dict(layout="dp2->tp2"),
     f"{AUTOTP}::TestLayoutRoundTrip::test_layout_round_trip[dp2]": dict(layout="dp2->tp2->dp2"),
     f"{AUTOTP}::TestLayoutRoundTrip::test_layout_round_trip[dp4]": dict(layout="dp4->tp2xdp2->dp4"),
-    # 0005: one universal state file format
+    # 0007: one universal state file format
     ONE_FORMAT: dict(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal", layout="dp2->dp2"),
     f"{ONE_FORMAT}::TestUniversalOneFormat::test_zero1_loads_bare_tensor_folder": dict(stage=1),
-    # 0006: ZeRO-1/2 fresh-optimizer resume
+    # 0009: ZeRO-1/2 fresh-optimizer resume
     ZERO12: dict(feature="resume", offload="none", checkpoint="rigid", layout="none"),
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_missing_shards":
         dict(checkpoint="rigid, shard missing on one rank"),
@@ -62,16 +77,16 @@ CELLS = {
     f"{ZERO12}::TestZero12ParamGroupsByName": dict(layout="param groups"),
     f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
     f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
-    # 0007: ZeRO-3 NVMe resume
+    # 0010: ZeRO-3 NVMe resume
     NVME: dict(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid"),
     f"{NVME}::TestZero3NVMeResume::test_universal_refused_before_anything_changes":
         dict(checkpoint="universal (refused)"),
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
-    # 0010: ZeRO-1/2 optimizer-state fragments linked for every param group
+    # 0013: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
-    # 0009: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0012: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),
