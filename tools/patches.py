@@ -830,9 +830,9 @@ def pr_description(message, number, series, prefix, titles, closures):
 
 
 def branch_test_files(entry, number, placed, source, listed=None):
-    """{path: text} of the test files one branch adds or changes, at its table's commit (`at`, default HEAD): its
-    own tests, its dependencies' tests it updates (`updates`), and the unit.* helpers they import that no
-    dependency's branch placed, or placed with other text. `placed` holds what the branches of the patches it
+    """{path: text} of the test files one branch adds or changes: its own tests and its dependencies' tests it
+    updates (`updates`), at its table's commit (`at`, default HEAD), and the unit.* helpers they import, at HEAD,
+    that no dependency's branch placed. `placed` holds what the branches of the patches it
     depends on carry (its base); `listed` {test file: patch number} the `tests` of every earlier patch."""
     rev = entry["at"]
     if subprocess.run(["git", "-C", str(source), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
@@ -854,11 +854,14 @@ def branch_test_files(entry, number, placed, source, listed=None):
         raise PatchError(f"patches/tests.toml [{number}] updates {', '.join(not_placed)}, which no patch it depends "
                          f"on (its `Depends on`, transitively) carries: name it under `tests`, or add the patch "
                          f"whose tests list it to its `Depends on`")
-    files = entry["tests"] + entry["updates"]
-    files += [h for h in imported_helpers(files, source, rev) if h not in files]
+    own = entry["tests"] + entry["updates"]
+    helpers = [h for h in imported_helpers(own, source, rev) if h not in own]
+    # Every pull request carries HEAD's version of a shared helper, so that two independent ones that both add it
+    # add the same file; tests taken at an older `at` run with it (make branch-tests shows that they do).
+    helpers += [h for h in imported_helpers(helpers, source) if h not in helpers + own]
     texts = {}
-    for rel in files:
-        text = committed_text(source, rel, rev)  # imported_helpers refused a file that is not committed
+    for rel in own + helpers:
+        text = committed_text(source, rel, rev if rel in own else "HEAD")  # imported_helpers refused uncommitted
         if placed.get(rel) != text:
             texts[rel] = text
     return texts
