@@ -234,7 +234,8 @@ def test_a_helper_that_collides_with_upstream_is_refused(scratch):
 
 def test_a_later_patch_updates_an_earlier_patchs_tests(scratch):
     """0001 takes its tests as committed before a later change (`at`); 0002, which made that change, carries it
-    (`updates`), with the helper it changed alongside."""
+    (`updates`). Both carry HEAD's version of the helper (one version of it in every pull request, so that two
+    independent ones never add it in two versions): 0001's branch adds it, 0002's finds it there."""
     fork, patches, source, checkout = scratch
     before = git(source, "rev-parse", "HEAD")
     commit(
@@ -250,13 +251,13 @@ def test_a_later_patch_updates_an_earlier_patchs_tests(scratch):
     assert result.returncode == 0, result.stderr
     first, second = PREFIX + "0001-first-fix", PREFIX + "0002-second-fix"
     assert "retired" not in show(checkout, first, "tests/unit/v1/zero/test_first.py")
-    assert show(checkout, first, "tests/unit/tiny_helpers.py").endswith("model = 1")
+    assert show(checkout, first, "tests/unit/tiny_helpers.py").endswith("model = 2")
     assert "retired" in show(checkout, second, "tests/unit/v1/zero/test_first.py")
     assert show(checkout, second, "tests/unit/tiny_helpers.py").endswith("model = 2")
     files = git(checkout, "diff", "--name-only", f"{second}^", second).split()
     assert files == [
         "csrc/shm.cpp", "deepspeed/ops/csrc/shm.cpp", "deepspeed/stage3.py", "tests/unit/checkpoint/test_second.py",
-        "tests/unit/checkpoint/test_upstream.py", "tests/unit/tiny_helpers.py", "tests/unit/v1/zero/test_first.py"
+        "tests/unit/checkpoint/test_upstream.py", "tests/unit/v1/zero/test_first.py"
     ]
     # an update of a file no patch it depends on carries is a manifest mistake, named
     (patches / "tests.toml").write_text('[0001]\ntests = []\n\n[0002]\ntests = []\n'
