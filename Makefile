@@ -3,7 +3,15 @@
 # fast when nothing changed.
 SHELL := /bin/bash
 PYTHON ?= python3
-VENV := .venv
+# A second torch cell: TORCH=2.10.0 (the default preset of upstream's cpu-torch-latest CI,
+# .github/workflows/cpu-torch-latest.yml) makes every target use .venv-torch2.10.0: requirements/dev-cpu.txt with
+# torch==2.10.0 instead of its pin, from PyPI, or from TORCH_INDEX where set (an index URL, e.g. the CPU wheel index
+# that workflow installs from, its PYTORCH_INDEX_URL). upstream-tests and branch-tests keep that cell's results
+# apart (.cache/upstream-tests-torch2.10.0/, .cache/branch-tests-torch2.10.0/). Unset: .venv, the default cell.
+TORCH ?=
+TORCH_INDEX ?=
+CELL := $(if $(TORCH),-torch$(TORCH))
+VENV := .venv$(CELL)
 VPY := $(VENV)/bin/python
 PATCHES := tools/patches.py
 # JIT-built ops (FusedAdam's CPU op, async_io) are cached inside the venv, one folder per DeepSpeed tree
@@ -36,7 +44,14 @@ venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: requirements/dev-cpu.txt requirements/tests.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
+ifeq ($(TORCH),)
 	$(VPY) -m pip install --quiet -r requirements/dev-cpu.txt
+else
+	$(VPY) -m pip install --quiet torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	sed -e 's/^torch==.*/torch==$(TORCH)/' -e 's|^-r |-r $(CURDIR)/requirements/|' requirements/dev-cpu.txt \
+		>$(VENV)/requirements.txt
+	$(VPY) -m pip install --quiet -r $(VENV)/requirements.txt
+endif
 	touch $@
 
 # Import the series once; `make sync` re-imports after patches/ changed (refuses to drop work; FORCE=1 sets
@@ -48,12 +63,20 @@ sync: venv
 	$(VPY) $(PATCHES) import $(if $(FORCE),--force)
 
 # Editable install of the patched tree; skipped when `deepspeed` already resolves to fork/.
+# The install writes its torch into fork/'s build record (deepspeed/git_version_info_installed.py, torch_info), which
+# every cell's venv reads: a TORCH cell puts back the record it found (the default cell's, or the sdist's '0.0'
+# entries, which pristine/ keeps). PyPI's torch for Linux is a CUDA build: its record (NCCL 2.x, CUDA 12.x) would
+# make upstream's bf16_required_version_check pass on the fork and not on pristine, whose bf16 tests would then run
+# on one tree only, and in the default cell too.
+INSTALLED_INFO := fork/deepspeed/git_version_info_installed.py
 install: fork
 	@if $(VPY) -c "import deepspeed, pathlib, sys; sys.exit(pathlib.Path(deepspeed.__file__).resolve().parents[1] != pathlib.Path('fork').resolve())" 2>/dev/null; then \
 		echo "deepspeed: editable install of fork/ present"; \
 	else \
+		$(if $(TORCH),cp $(INSTALLED_INFO) $(VENV)/installed-info.before &&) \
 		DS_BUILD_OPS=0 $(VPY) -m pip install --quiet --no-build-isolation --no-deps -e fork >$(VENV)/install.log 2>&1 \
 			|| { cat $(VENV)/install.log; exit 1; }; \
+		$(if $(TORCH),cp $(VENV)/installed-info.before $(INSTALLED_INFO);) \
 	fi
 
 # JIT-build the DeepSpeed ops once, before any test's timeout runs (seconds when built; tools/build_ops.py).
@@ -93,8 +116,8 @@ upstream-tests: setup pristine $(VENV)/.upstream-tests-stamp
 	$(VPY) tools/upstream_tests.py --upstream $(UPSTREAM) $(UPSTREAM_TESTS_ARGS)
 
 $(VENV)/.upstream-tests-stamp: requirements/upstream-tests.txt $(VENV)/.deps-stamp
-	rm -rf .cache/upstream-pytest
-	$(VPY) -m pip install --quiet --target .cache/upstream-pytest -r requirements/upstream-tests.txt
+	rm -rf .cache/upstream-pytest$(CELL)
+	$(VPY) -m pip install --quiet --target .cache/upstream-pytest$(CELL) -r requirements/upstream-tests.txt
 	touch $@
 
 # One branch per patch in an upstream DeepSpeed checkout, on BASE plus the patches its `Depends on` line needs, each

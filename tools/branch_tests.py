@@ -11,7 +11,9 @@ code: the patch and the patches its `Depends on` line needs, nothing else. The f
 patches/tests.toml lists for the patch (`tests`, and `updates`, which name files of those dependencies) and the
 upstream test files its patches/upstream-tests/NNNN.diff changes;
 a test of those upstream files that fails also on pristine 0.19.8 in the last `make upstream-tests` results is
-version skew of the snapshot, reported apart. Results in .cache/branch-tests/results.json.
+version skew of the snapshot, reported apart. Results in .cache/branch-tests/results.json; a torch cell other than
+.venv (the Makefile's TORCH=2.10.0: .venv-torch2.10.0) keeps its own, .cache/branch-tests-torch2.10.0/, and
+compares with its own cell's upstream-tests results.
 
     make branch-tests UPSTREAM=DIR                       # after make branches UPSTREAM=DIR
     .venv/bin/python tools/branch_tests.py --upstream DIR --only 0003 0009
@@ -136,7 +138,7 @@ def main():
     parser.add_argument("--prefix", default=BRANCH_PREFIX)
     parser.add_argument("--only", nargs="+", help="patch numbers (default: every patch of the series)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
-    parser.add_argument("--out", type=Path, default=ut.ROOT / ".cache" / "branch-tests")
+    parser.add_argument("--out", type=Path, default=ut.ROOT / ".cache" / f"branch-tests{ut.CELL}")
     parser.add_argument("--report", action="store_true", help="print the saved results of the last run")
     args = parser.parse_args()
     saved = args.out / "results.json"
@@ -145,7 +147,7 @@ def main():
         return 1 if report(state) else 0
     if args.upstream is None:
         parser.error("--upstream is required (or --report)")
-    comparison = ut.ROOT / ".cache" / "upstream-tests" / "results.json"
+    comparison = ut.RESULTS / "results.json"  # this cell's
     compared = json.loads(comparison.read_text())["results"] if comparison.exists() else {}
     state["pristine"] = compared.get("pristine", {})
     series = read_series(PATCHES)

@@ -13,10 +13,16 @@ patches/upstream-tests/NNNN.diff: those diffs are applied to a second copy, wher
 files they change run again. Results are kept in
 .cache/upstream-tests/results.json (per-test JSON lines and pytest output beside it).
 
+A torch cell is a venv: the one this runs under (`make upstream-tests TORCH=2.10.0` runs it under
+.venv-torch2.10.0). Each cell keeps its results apart (.venv: .cache/upstream-tests/; .venv-torch2.10.0:
+.cache/upstream-tests-torch2.10.0/), and the report names its cell and torch version; --cells shows several
+cells' results side by side.
+
     make upstream-tests UPSTREAM=/path/to/DeepSpeed          # or a git directory (bare) of it
     .venv/bin/python tools/upstream_tests.py --upstream DIR --files unit/checkpoint/test_pipeline.py
     .venv/bin/python tools/upstream_tests.py --upstream DIR --quick    # pristine runs only the fork's failures
     .venv/bin/python tools/upstream_tests.py --report                  # print the last results again
+    .venv/bin/python tools/upstream_tests.py --report --cells .cache/upstream-tests .cache/upstream-tests-torch2.10.0
 """
 
 import argparse
@@ -44,8 +50,21 @@ DEVICES = 4  # the most ranks a chosen file's test uses
 HANG_MARGIN_S = 300  # beyond a test's own timeout, how long a run may show no progress before it is ended
 TREES = {"pristine": ROOT / "pristine", "fork": ROOT / "fork"}
 UPDATES = ROOT / "patches" / "upstream-tests"
-# Upstream's pytest pin, installed apart (requirements/upstream-tests.txt): first on PYTHONPATH for these runs.
-UPSTREAM_PYTEST = ROOT / ".cache" / "upstream-pytest"
+
+
+def cell_of(prefix):
+    """The torch cell of a venv: its name after `.venv` ('' for .venv, '-torch2.10.0' for .venv-torch2.10.0, the
+    Makefile's TORCH=2.10.0)."""
+    name = Path(prefix).name
+    return name[len(".venv"):] if name.startswith(".venv") else ""
+
+
+# This interpreter's cell; the results of each cell go to their own folder.
+CELL = cell_of(sys.prefix)
+RESULTS = ROOT / ".cache" / f"upstream-tests{CELL}"
+# Upstream's pytest pin, installed apart (requirements/upstream-tests.txt), one per cell (Makefile): first on
+# PYTHONPATH for these runs.
+UPSTREAM_PYTEST = ROOT / ".cache" / f"upstream-pytest{CELL}"
 # The areas the series touches: checkpointing (0002-0007), ZeRO-3 and ZeRO-1/2 (0001, 0003, 0006, 0007),
 # NVMe offload (0007).
 DEFAULT_FILES = [  # smallest first, so that a run stopped early has covered the most files
@@ -277,8 +296,12 @@ def regressions(all_results, files, base="pristine", new="fork"):
     return found
 
 
+def cell_name(meta):
+    return f"torch {meta.get('torch', '?')} ({meta.get('venv', '?')})"
+
+
 def report(all_results, files, trees, meta):
-    print(f"\nupstream tests from {meta.get('upstream')} at {meta.get('commit')}")
+    print(f"\nupstream tests from {meta.get('upstream')} at {meta.get('commit')}, cell {cell_name(meta)}")
     print(table(all_results, files, trees))
     if meta.get("quick"):
         print("pristine ran only the tests the fork does not pass (--quick) in: " + ", ".join(meta["quick"]))
@@ -295,6 +318,27 @@ def report(all_results, files, trees, meta):
                         nodeid, {}).get("outcome") == "passed":
                     print(f"- {nodeid}: {r['outcome']}")
             print(f"  {f}: {counts(res)}")
+
+
+def report_cells(folders):
+    """One table of several cells' saved results (each a results folder), their columns side by side."""
+    merged, files, names = {}, [], []
+    for folder in folders:
+        saved = folder / "results.json"
+        if not saved.exists():
+            print(f"{saved}: no results")
+            continue
+        state = json.loads(saved.read_text())
+        name = f"torch {state['meta'].get('torch', '?')}"
+        names.append(f"{name}: {folder}, upstream {state['meta'].get('commit')}")
+        files += [f for f in state["meta"].get("files", []) if f not in files]
+        for tree, res in state["results"].items():
+            merged[f"{name} {tree}"] = res
+        if "pristine" in state["results"] and "fork" in state["results"]:
+            regs = regressions(state["results"], state["meta"].get("files", []))
+            names[-1] += f"; pass on pristine, not on the fork: {len(regs)}"
+    print("\n".join(["cells:"] + [f"- {n}" for n in names]))
+    print(table(merged, files, list(merged)))
 
 
 def run_tree(args, state, tree, scratch, test_file):
@@ -324,7 +368,10 @@ def main():
     parser.add_argument("--files", nargs="+", default=DEFAULT_FILES, help="test files, relative to tests/")
     parser.add_argument("--trees", nargs="+", choices=list(TREES), default=list(TREES))
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
-    parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "upstream-tests")
+    parser.add_argument("--out",
+                        type=Path,
+                        default=RESULTS,
+                        help="results folder (default: this venv's cell's, %(default)s)")
     parser.add_argument("--no-updated",
                         dest="updated",
                         action="store_false",
@@ -334,7 +381,14 @@ def main():
                         help="run pristine only on the tests the fork does not pass (the fork runs first): finds "
                         "every pristine-pass/fork-fail test at about half the cost, without pristine's totals")
     parser.add_argument("--report", action="store_true", help="print the saved results of the last run")
+    parser.add_argument("--cells",
+                        nargs="+",
+                        type=Path,
+                        help="with --report: the results folders of several cells, shown in one table")
     args = parser.parse_args()
+    if args.cells:
+        report_cells(args.cells)
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that run_file's cleanup runs on kill
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
@@ -347,9 +401,12 @@ def main():
         parser.error("--upstream is required (or --report)")
     commit = extract_tests(args.upstream.resolve(), args.out / "tests-upstream")
     known = state["meta"].get("files", [])  # a run of some files keeps the others' saved results
+    import torch  # the cell: which torch this venv runs the tests with
     state["meta"] = {
         "upstream": str(args.upstream),
         "commit": commit,
+        "torch": torch.__version__,
+        "venv": Path(sys.prefix).name,
         "quick": state["meta"].get("quick", []),
         "files": known + [f for f in args.files if f not in known]
     }
