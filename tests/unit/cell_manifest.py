@@ -21,6 +21,7 @@ HP_LINK = "unit/runtime/zero/test_zero12_hp_link_param_groups.py"
 LOAD_TAG = "unit/checkpoint/test_zero3_load_tag.py"
 FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
 FROZEN = "unit/checkpoint/test_zero_frozen_module_load.py"
+REFUSALS = "unit/checkpoint/test_zero_load_refusals.py"
 
 # yapf: disable
 CELLS = {
@@ -45,7 +46,18 @@ CELLS = {
     f"{FROZEN}::TestZero3FrozenModuleLoad::test_frozen_at_save_and_load": dict(stage=3, layout="none, frozen"),
     f"{FROZEN}::TestZero3FrozenModuleLoad::test_frozen_at_another_dp_size": dict(stage=3, layout="dp2->dp1, frozen"),
     f"{FROZEN}::TestZero2FrozenModuleLoad": dict(stage=2),
-    # 0008: ZeRO-3 fresh-optimizer resume
+    # 0008: a load one rank cannot carry out is refused on every rank
+    REFUSALS: dict(feature="load refused on every rank", precision="fp32", checkpoint="rigid", layout="none"),
+    f"{REFUSALS}::TestRefusedOnEveryRank::test_missing_shard_of_one_rank":
+        dict(checkpoint="rigid, shard missing on one rank"),
+    f"{REFUSALS}::TestRefusedOnEveryRank::test_truncated_shard_on_one_rank":
+        dict(stage=3, checkpoint="rigid, truncated shard on one rank"),
+    f"{REFUSALS}::TestRefusedAcrossATensorParallelGrid":
+        dict(stage=3, checkpoint="rigid, shard missing on one rank", layout="none, TP2 x DP2"),
+    f"{REFUSALS}::TestDataParallelSizeChange": dict(stage=3, layout="dp4->dp2"),
+    f"{REFUSALS}::TestLargerDataParallelSize": dict(stage=3, layout="dp2->dp4"),
+    f"{REFUSALS}::TestTrainableSetChange": dict(stage=3, layout="trainable set"),
+    # 0009: ZeRO-3 fresh-optimizer resume
     ZERO3: dict(feature="resume", stage=3, precision="bf16"),
     f"{ZERO3}::TestZero3ResumeRejected": dict(checkpoint="rigid"),
     f"{ZERO3}::TestZero3ResumeRejected::test_missing_shard_of_one_rank":
@@ -67,7 +79,7 @@ CELLS = {
     # 0007: one universal state file format
     ONE_FORMAT: dict(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal", layout="dp2->dp2"),
     f"{ONE_FORMAT}::TestUniversalOneFormat::test_zero1_loads_bare_tensor_folder": dict(stage=1),
-    # 0009: ZeRO-1/2 fresh-optimizer resume
+    # 0010: ZeRO-1/2 fresh-optimizer resume
     ZERO12: dict(feature="resume", offload="none", checkpoint="rigid", layout="none"),
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_missing_shards":
         dict(checkpoint="rigid, shard missing on one rank"),
@@ -77,16 +89,16 @@ CELLS = {
     f"{ZERO12}::TestZero12ParamGroupsByName": dict(layout="param groups"),
     f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
     f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
-    # 0010: ZeRO-3 NVMe resume
+    # 0011: ZeRO-3 NVMe resume
     NVME: dict(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid"),
     f"{NVME}::TestZero3NVMeResume::test_universal_refused_before_anything_changes":
         dict(checkpoint="universal (refused)"),
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
-    # 0013: ZeRO-1/2 optimizer-state fragments linked for every param group
+    # 0014: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
-    # 0012: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0013: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),
