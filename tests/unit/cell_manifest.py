@@ -22,6 +22,7 @@ LOAD_TAG = "unit/checkpoint/test_zero3_load_tag.py"
 FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
 FROZEN = "unit/checkpoint/test_zero_frozen_module_load.py"
 REFUSALS = "unit/checkpoint/test_zero_load_refusals.py"
+ZERO12_BY_NAME = "unit/checkpoint/test_zero12_resume_by_name.py"
 
 # yapf: disable
 CELLS = {
@@ -54,16 +55,9 @@ CELLS = {
         dict(stage=3, checkpoint="rigid, truncated shard on one rank"),
     f"{REFUSALS}::TestRefusedAcrossATensorParallelGrid":
         dict(stage=3, checkpoint="rigid, shard missing on one rank", layout="none, TP2 x DP2"),
-    f"{REFUSALS}::TestDataParallelSizeChange": dict(stage=3, layout="dp4->dp2"),
-    f"{REFUSALS}::TestLargerDataParallelSize": dict(stage=3, layout="dp2->dp4"),
-    f"{REFUSALS}::TestTrainableSetChange": dict(stage=3, layout="trainable set"),
     # 0009: ZeRO-3 fresh-optimizer resume
     ZERO3: dict(feature="resume", stage=3, precision="bf16"),
     f"{ZERO3}::TestZero3ResumeRejected": dict(checkpoint="rigid"),
-    f"{ZERO3}::TestZero3ResumeRejected::test_missing_shard_of_one_rank":
-        dict(checkpoint="rigid, shard missing on one rank"),
-    f"{ZERO3}::TestZero3ResumeRejected::test_truncated_shard_on_one_rank":
-        dict(checkpoint="rigid, truncated shard on one rank"),
     f"{ZERO3}::TestZero3ResumeRejected::test_dp_size_change_with_a_missing_shard": dict(layout="dp4->dp2"),
     f"{ZERO3}::TestZero3ResumeOlderTag": dict(checkpoint="rigid"),
     f"{ZERO3}::TestZero3UniversalModuleOnly": dict(offload="none", checkpoint="universal", layout="none"),
@@ -85,20 +79,22 @@ CELLS = {
         dict(checkpoint="rigid, shard missing on one rank"),
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_truncated_shard_on_one_rank":
         dict(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank"),
-    f"{ZERO12}::TestZero12TrainableSetChange": dict(layout="trainable set"),
-    f"{ZERO12}::TestZero12ParamGroupsByName": dict(layout="param groups"),
     f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
     f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
-    # 0011: ZeRO-3 NVMe resume
+    # 0011: ZeRO-1/2 masters restored by name after a trainable-set or param-group change
+    ZERO12_BY_NAME: dict(feature="resume", offload="none", checkpoint="rigid"),
+    f"{ZERO12_BY_NAME}::TestZero12TrainableSetChange": dict(layout="trainable set"),
+    f"{ZERO12_BY_NAME}::TestZero12ParamGroupsByName": dict(layout="param groups"),
+    # 0012: ZeRO-3 NVMe resume
     NVME: dict(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid"),
     f"{NVME}::TestZero3NVMeResume::test_universal_refused_before_anything_changes":
         dict(checkpoint="universal (refused)"),
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
-    # 0014: ZeRO-1/2 optimizer-state fragments linked for every param group
+    # 0015: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
-    # 0013: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0014: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),

@@ -11,7 +11,7 @@ from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG,
                                                  expect_rejected, make_config, make_engine, masters,
                                                  move_aside_on_rank, moments, remove_shards, rounding,
                                                  saves_checkpoint, shard_path, steps, to_universal, train,
-                                                 train_and_save, truncate_on_rank)
+                                                 train_and_save)
 from unit.common import DistributedTest
 from unit.zero_tiny_models import SETTINGS
 
@@ -55,36 +55,9 @@ class TestZero3ResumeTable(DistributedTest):
 
 
 class TestZero3ResumeRejected(DistributedTest):
+    """A missing or truncated shard of one rank in the usual layout: test_zero_load_refusals.py."""
     world_size = 2
     exec_timeout = 200
-
-    def test_missing_shard_of_one_rank(self, tmpdir):
-        """Rank 0's shard missing, then rank 1's: the rank that lacks it refuses, and so does the other."""
-        save_dir = str(tmpdir)
-        train_and_save(make_config(3, "bf16"), save_dir)
-        engine = make_engine(make_config(3, "bf16"), seed=1)
-        for missing_rank in (0, 1):
-            put_back = move_aside_on_rank(shard_path(save_dir, missing_rank), missing_rank)
-            for load_optimizer_states in (False, True):
-                expect_rejected(engine,
-                                save_dir,
-                                f"rank_{missing_rank}_mp_rank_00_optim_states.pt is missing.*Restore the file",
-                                refusing_rank=missing_rank,
-                                load_optimizer_states=load_optimizer_states)
-            put_back()
-
-    def test_truncated_shard_on_one_rank(self, tmpdir):
-        """Rank 1's shard cut in half: every rank refuses before anything changes, none waits for rank 1."""
-        save_dir = str(tmpdir)
-        train_and_save(make_config(3, "bf16"), save_dir)
-        truncate_on_rank(shard_path(save_dir, 1), 1)
-        engine = make_engine(make_config(3, "bf16"), seed=1)
-        for load_optimizer_states in (False, True):
-            expect_rejected(engine,
-                            save_dir,
-                            "rank_1_mp_rank_00_optim_states.pt cannot be read.*Restore the file",
-                            refusing_rank=1,
-                            load_optimizer_states=load_optimizer_states)
 
     @pytest.mark.world_size([4, 2])
     def test_dp_size_change_with_a_missing_shard(self, tmpdir):

@@ -1,0 +1,134 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Planning cost per parameter: pristine ``affine_transfer.py`` beside the one on ``PYTHONPATH``.
+
+Maps only: no tensors are allocated and no ranks exist. The pristine planner is read from git and
+imported under another package name, so both run in one process on identical maps. Rows whose
+builders the tree on ``PYTHONPATH`` lacks are skipped, so one script serves every patch of the
+series.
+
+    PYTHONPATH=/path/to/tree python affine_plan_cost.py \\
+        --pristine-git-dir /path/to/DeepSpeed/.git --pristine-commit <0.19.8 commit>
+
+"pristine ms" runs the pristine planner under the default ``PlanBudget``; "pristine ms, budget
+raised" runs it with ``max_pair_checks`` out of the way, so a refusal there is policy and the time
+is what the pairwise work costs. Runs over ``--cap-seconds`` are not repeated.
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from deepspeed.checkpoint import affine
+from deepspeed.checkpoint.affine import contiguous_split_map, zero_partition_map
+from deepspeed.checkpoint import affine_transfer
+from deepspeed.checkpoint.affine_transfer import PlanBudget, plan_transfer
+
+RAISED = PlanBudget(max_pair_checks=1 << 40, max_merge_checks=1 << 40)
+
+
+def load_pristine(git_dir, commit):
+    """Import ``affine.py`` and ``affine_transfer.py`` at ``commit`` as package ``pristine_checkpoint``."""
+    root = tempfile.mkdtemp(prefix='pristine_affine_')
+    package = os.path.join(root, 'pristine_checkpoint')
+    os.makedirs(package)
+    open(os.path.join(package, '__init__.py'), 'w').close()
+    for name in ('affine.py', 'affine_transfer.py'):
+        source = subprocess.run(['git', '--git-dir', git_dir, 'show', f'{commit}:deepspeed/checkpoint/{name}'],
+                                check=True,
+                                capture_output=True,
+                                text=True).stdout
+        with open(os.path.join(package, name), 'w') as handle:
+            handle.write(source)
+    sys.path.insert(0, root)
+    return importlib.import_module('pristine_checkpoint.affine_transfer').plan_transfer
+
+
+def timed(planner, repeats, cap_s):
+    """Median milliseconds over up to ``repeats`` runs, stopping early once ``cap_s`` is spent."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        try:
+            plan = planner()
+        except Exception as error:  # a refusal is a result here, not a failure of the benchmark
+            return f'refused ({str(error)[:48]})', None
+        samples.append(time.perf_counter() - start)
+        if sum(samples) > cap_s:
+            break
+    return f'{statistics.median(samples) * 1e3:.2f}', plan
+
+
+def tp_rows(shape, tp):
+    return contiguous_split_map(shape, [shape[0] // tp + (1 if index < shape[0] % tp else 0) for index in range(tp)], 0)
+
+
+def cases(numel):
+    for source, target in ((64, 48), (512, 384), (4096, 3072)):
+        yield (f'ZeRO-3 DP {source}->{target}, 1-D {numel}', zero_partition_map(numel, source),
+               zero_partition_map(numel, target), None)
+    if hasattr(affine, 'zero_partition_of_shards'):
+        of_shards = affine.zero_partition_of_shards
+        shape = (4096, 4096)
+        yield ('ZeRO-3 TP2xDP8 -> TP1xDP8, 4096x4096', of_shards(tp_rows(shape, 2), 8), of_shards(tp_rows(shape, 1),
+                                                                                                   8), None)
+        for tp, source, target in ((2, 8, 6), (2, 64, 48), (2, 128, 96), (8, 64, 48)):
+            source_map, target_map = of_shards(tp_rows(shape, tp), source), of_shards(tp_rows(shape, tp), target)
+            yield (f'ZeRO-3 TP{tp}xDP{source}->{target}, 4096x4096, flat shards', source_map, target_map, None)
+            per_shard = (lambda tp=tp, source=source, target=target: affine_transfer.plan_zero3_data_parallel_reshard(
+                tp_rows(shape, tp), source, target))
+            yield (f'ZeRO-3 TP{tp}xDP{source}->{target}, 4096x4096, per TP shard', source_map, target_map, per_shard)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--pristine-git-dir', required=True)
+    parser.add_argument('--pristine-commit', required=True)
+    parser.add_argument('--numel', type=int, default=4096 * 4096, help='elements of the 1-D parameter')
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--cap-seconds', type=float, default=20.0, help='stop repeating a case after this long')
+    parser.add_argument('--raised-max-pieces',
+                        type=int,
+                        default=1024,
+                        help='run the raised-budget pristine column only up to this many pieces a side')
+    args = parser.parse_args()
+
+    pristine = load_pristine(args.pristine_git_dir, args.pristine_commit)
+    print('| case | source pieces | target pieces | segments | pristine ms | pristine ms, budget raised | this ms |')
+    print('|---|---:|---:|---:|---:|---:|---:|')
+    for name, source_map, target_map, planner in cases(args.numel):
+        pieces = [sum(len(pieces) for pieces in side.pieces_by_rank.values()) for side in (source_map, target_map)]
+        before, _ = timed(lambda: pristine(target_map, source_map), args.repeats, args.cap_seconds)
+        raised = 'not run'
+        if max(pieces) <= args.raised_max_pieces:
+            raised, _ = timed(lambda: pristine(target_map, source_map, RAISED), args.repeats, args.cap_seconds)
+        after, plan = timed(planner or (lambda: plan_transfer(target_map, source_map)), args.repeats, args.cap_seconds)
+        segments = len(plan.segments) if plan is not None else '-'
+        print(f'| {name} | {pieces[0]} | {pieces[1]} | {segments} | {before} | {raised} | {after} |', flush=True)
+
+    if hasattr(affine_transfer, 'PlanCache'):
+        # 300 parameters of one shape under one topology change, through one cache. Each parameter
+        # brings its own (equal) map objects, as a converter walking a checkpoint would.
+        pairs = [(zero_partition_map(args.numel, 64), zero_partition_map(args.numel, 48)) for _ in range(300)]
+        cache = affine_transfer.PlanCache()
+        start = time.perf_counter()
+        for source_map, target_map in pairs:
+            cache.plan_transfer(target_map, source_map)
+        cached = time.perf_counter() - start
+        start = time.perf_counter()
+        for source_map, target_map in pairs:
+            plan_transfer(target_map, source_map)
+        uncached = time.perf_counter() - start
+        print(f'\n300 same-shaped parameters, DP 64->48: {cached * 1e3:.1f} ms through PlanCache '
+              f'(hits {cache.hits}, misses {cache.misses}), {uncached * 1e3:.1f} ms planning each')
+
+
+if __name__ == '__main__':
+    main()
