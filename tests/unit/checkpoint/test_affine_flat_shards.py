@@ -18,6 +18,7 @@ from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, contiguous
                                          sub_param_map, zero_partition_of_shards, _flat_range_boxes)
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, UnsupportedLayoutError,
                                                   plan_zero3_data_parallel_reshard, plan_transfer)
+from unit.checkpoint.affine_plan_helpers import apply_plan, zero3_buffers
 
 POISON = float('nan')
 
@@ -27,31 +28,14 @@ def _even_split(size, parts):
     return [base + (1 if index < extra else 0) for index in range(parts)]
 
 
-def _zero3_buffers(flat, world_size, fill):
-    partition = -(-flat.numel() // world_size)
-    padded = torch.full((partition * world_size, ), fill, dtype=flat.dtype)
-    padded[:flat.numel()] = flat
-    return [padded[rank * partition:(rank + 1) * partition].clone() for rank in range(world_size)]
-
-
 def _tp_zero3_buffers(full, tp_dim, tp_degree, dp_degree, fill):
     """ZeRO-3 under AutoTP: global rank ``dp_rank * tp_degree + tp_rank`` holds ZeRO-3 partition
     ``dp_rank`` of TP shard ``tp_rank`` (file ``zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}``)."""
     buffers = {}
     for tp_rank, shard in enumerate(torch.split(full, _even_split(full.shape[tp_dim], tp_degree), dim=tp_dim)):
-        for dp_rank, buffer in enumerate(_zero3_buffers(shard.contiguous().view(-1), dp_degree, fill)):
+        for dp_rank, buffer in enumerate(zero3_buffers(shard.contiguous().view(-1), dp_degree, fill)):
             buffers[dp_rank * tp_degree + tp_rank] = buffer
     return buffers
-
-
-def _apply(plan, sources, targets):
-    """Execute a plan over whole buffers. Test scaffolding, never a production path."""
-    for segment in plan.segments:
-        read = torch.as_strided(sources[segment.source_rank], segment.shape, segment.source_strides,
-                                segment.source_offset)
-        torch.as_strided(targets[segment.target_rank], segment.shape, segment.target_strides,
-                         segment.target_offset).copy_(read)
-    return targets
 
 
 def test_rank_numbering_is_deepspeeds(monkeypatch):
@@ -102,7 +86,7 @@ def test_zero3_under_tp_reshard_is_exact(shape, source, target, tp_dim):
     expected = _tp_zero3_buffers(full, tp_dim, target_tp, target_dp, 0.0)
     targets = {rank: torch.zeros_like(buffer) for rank, buffer in expected.items()}
     plan = plan_transfer(target_map, source_map)
-    _apply(plan, sources, targets)
+    apply_plan(plan, sources, targets)
     for rank, buffer in expected.items():
         assert torch.equal(targets[rank], buffer), f'target rank {rank}'
     assert plan.moved_elements == full.numel()
@@ -111,7 +95,7 @@ def test_zero3_under_tp_reshard_is_exact(shape, source, target, tp_dim):
         # The same move planned per TP shard through the sweep: same result, fewer segments.
         per_shard = plan_zero3_data_parallel_reshard(
             contiguous_split_map(shape, _even_split(shape[tp_dim], source_tp), tp_dim), source_dp, target_dp)
-        again = _apply(per_shard, _tp_zero3_buffers(full, tp_dim, source_tp, source_dp, POISON),
+        again = apply_plan(per_shard, _tp_zero3_buffers(full, tp_dim, source_tp, source_dp, POISON),
                        {rank: torch.zeros_like(buffer)
                         for rank, buffer in expected.items()})
         for rank, buffer in expected.items():
@@ -138,14 +122,14 @@ def test_replicated_pieces_with_one_layout_are_partitioned_on_every_holder():
         for piece in pieces:
             assert piece.locations == {rank - rank % 2, rank - rank % 2 + 1}
     sources = {}
-    for dp_rank, buffer in enumerate(_zero3_buffers(full.view(-1), 3, POISON)):
+    for dp_rank, buffer in enumerate(zero3_buffers(full.view(-1), 3, POISON)):
         sources[dp_rank * 2] = buffer
         sources[dp_rank * 2 + 1] = buffer.clone()
     for target_tp, target_dp in ((1, 2), (2, 5), (3, 4)):
         target_map = zero_partition_of_shards(replicated_map((6, 4), target_tp), target_dp)
         targets = {rank: torch.zeros(-(-24 // target_dp)) for rank in target_map.shard_shapes}
-        _apply(plan_transfer(target_map, source_map), sources, targets)
-        for dp_rank, buffer in enumerate(_zero3_buffers(full.view(-1), target_dp, 0.0)):
+        apply_plan(plan_transfer(target_map, source_map), sources, targets)
+        for dp_rank, buffer in enumerate(zero3_buffers(full.view(-1), target_dp, 0.0)):
             for tp_rank in range(target_tp):
                 assert torch.equal(targets[dp_rank * target_tp + tp_rank][:buffer.numel()], buffer)
 

@@ -22,28 +22,11 @@ from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, contiguous
                                          zero_partition_map, zero_partition_sizes)
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget,
                                                   UnsupportedLayoutError, plan_transfer)
+from unit.checkpoint.affine_plan_helpers import apply_plan, zero3_buffers
 
 SHAPES = [(7, 5), (64, 128), (5, ), (3, 1)]
 DEGREES = [(4, 3), (4, 2), (2, 4), (4, 8), (3, 7), (1, 5)]
 POISON = float('nan')
-
-
-def _zero3_buffers(flat, world_size, fill):
-    """What ZeRO-3 holds: ``ceil(numel / N)`` elements per rank, the tail past the parameter padding."""
-    partition = -(-flat.numel() // world_size)
-    padded = torch.full((partition * world_size, ), fill, dtype=flat.dtype)
-    padded[:flat.numel()] = flat
-    return [padded[rank * partition:(rank + 1) * partition].clone() for rank in range(world_size)]
-
-
-def _apply(plan, sources, targets):
-    """Execute a plan over plain buffers. Test scaffolding, never a production path."""
-    for segment in plan.segments:
-        read = torch.as_strided(sources[segment.source_rank], segment.shape, segment.source_strides,
-                                segment.source_offset)
-        torch.as_strided(targets[segment.target_rank], segment.shape, segment.target_strides,
-                         segment.target_offset).copy_(read)
-    return targets
 
 
 def _comparable(plan):
@@ -110,13 +93,13 @@ def test_zero3_reshard_matches_direct_partition(shape, degrees, dtype):
     source_degree, target_degree = degrees
     full = torch.randn(shape).to(dtype)
     numel = full.numel()
-    sources = dict(enumerate(_zero3_buffers(full.view(-1), source_degree, POISON)))
-    targets = {rank: torch.zeros_like(buffer) for rank, buffer in enumerate(_zero3_buffers(full.view(-1), target_degree, 0))}
+    sources = dict(enumerate(zero3_buffers(full.view(-1), source_degree, POISON)))
+    targets = {rank: torch.zeros_like(buffer) for rank, buffer in enumerate(zero3_buffers(full.view(-1), target_degree, 0))}
 
     plan = plan_transfer(zero_partition_map(numel, target_degree), zero_partition_map(numel, source_degree))
-    _apply(plan, sources, targets)
+    apply_plan(plan, sources, targets)
 
-    expected = _zero3_buffers(full.view(-1), target_degree, 0)
+    expected = zero3_buffers(full.view(-1), target_degree, 0)
     for rank in range(target_degree):
         assert not torch.isnan(targets[rank]).any(), 'source padding reached a target'
         assert torch.equal(targets[rank], expected[rank])

@@ -22,6 +22,7 @@ import torch
 
 from deepspeed.checkpoint.affine import ZERO_NCCL_START_ALIGNMENT_FACTOR, zero_flat_layout, zero_flat_param_maps
 from deepspeed.checkpoint.affine_transfer import plan_transfer
+from unit.checkpoint.affine_plan_helpers import apply_plan
 
 # (numels, requires_grad, world_size, element_size, parameter_alignment, round_robin) -> (offsets, partition)
 HAND_WORKED = [
@@ -143,16 +144,6 @@ def _flat_partitions(params, requires_grad, world_size, element_size, parameter_
     return [flat[rank * partition:(rank + 1) * partition].clone() for rank in range(world_size)]
 
 
-def _apply(plan, sources, targets):
-    """Execute a plan; offsets count from each view's first element. Test scaffolding only."""
-    for segment in plan.segments:
-        source, target = sources[segment.source_rank], targets[segment.target_rank]
-        read = torch.as_strided(source, segment.shape, segment.source_strides,
-                                source.storage_offset() + segment.source_offset)
-        torch.as_strided(target, segment.shape, segment.target_strides,
-                         target.storage_offset() + segment.target_offset).copy_(read)
-
-
 @pytest.mark.parametrize('round_robin', [False, True])
 @pytest.mark.parametrize('parameter_alignment', [False, True])
 @pytest.mark.parametrize('degrees', [(4, 2), (2, 4), (4, 3), (3, 5)], ids=lambda degrees: f'{degrees[0]}to{degrees[1]}')
@@ -175,7 +166,7 @@ def test_zero_flat_reshard_moves_every_parameter_to_its_new_place(degrees, param
         (source_map, source_bases), (target_map, target_bases) = source, target
         source_map.validate_coverage()
         plan = plan_transfer(target_map, source_map)
-        _apply(plan, {rank: sources[rank].narrow(0, base, source_map.shard_shapes[rank][0])
+        apply_plan(plan, {rank: sources[rank].narrow(0, base, source_map.shard_shapes[rank][0])
                       for rank, base in source_bases.items()},
                {rank: targets[rank].narrow(0, base, target_map.shard_shapes[rank][0])
                 for rank, base in target_bases.items()})
