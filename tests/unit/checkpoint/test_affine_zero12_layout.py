@@ -102,6 +102,18 @@ CASES = [{
 } for dtype in ('bfloat16', 'float32') for round_robin in (False, True) for alignment in (False, True)]
 
 
+# Launcher and harness variables that would make the subprocess's DeepSpeed join (or wait for) a job's ranks, e.g.
+# the CPU accelerator's shm collectives when LOCAL_SIZE equals the fake world size.
+_JOB_VARIABLES = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_SIZE', 'LOCAL_WORLD_SIZE', 'CROSS_RANK', 'CROSS_SIZE',
+                  'MASTER_ADDR', 'MASTER_PORT')
+
+
+def _one_process_env():
+    env = {name: value for name, value in os.environ.items() if name not in _JOB_VARIABLES}
+    env['DS_ACCELERATOR'] = 'cpu'
+    return env
+
+
 @pytest.mark.parametrize('world_size', [2, 3, 4])
 def test_zero_flat_layout_is_what_a_real_deepspeed_zero_optimizer_builds(world_size):
     """A real optimizer (3 param groups, frozen and empty parameters, bf16 and fp32, round robin and
@@ -113,9 +125,7 @@ def test_zero_flat_layout_is_what_a_real_deepspeed_zero_optimizer_builds(world_s
                           str(world_size), json.dumps(CASES)],
                          capture_output=True,
                          text=True,
-                         env={
-                             **os.environ, 'DS_ACCELERATOR': 'cpu'
-                         },
+                         env=_one_process_env(),
                          timeout=300)
     lines = [line for line in run.stdout.splitlines() if line.startswith('RESULT')]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
