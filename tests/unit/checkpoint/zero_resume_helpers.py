@@ -84,6 +84,7 @@ def masters(engine):
 
 def moments(engine):
     """{name: {key: tensor or None}} for Adam's exp_avg / exp_avg_sq."""
+    link_optimizer_states(engine)
     base = _base_optimizer(engine)
     present = {k for state in base.state.values() for k in state}
     return {
@@ -93,6 +94,15 @@ def moments(engine):
         }
         for n, p in engine.module.named_parameters() if p.requires_grad
     }
+
+
+def link_optimizer_states(engine):
+    """Attach every param group's optimizer-state fragments to its parameters now: ZeRO-1/2 and BF16_Optimizer
+    attach them lazily, after a step, which a test that reads the states right after a load has not taken."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_hp_optimizer_states_linked"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def _base_optimizer(engine):
