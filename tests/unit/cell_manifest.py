@@ -23,6 +23,8 @@ FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
 FROZEN = "unit/checkpoint/test_zero_frozen_module_load.py"
 REFUSALS = "unit/checkpoint/test_zero_load_refusals.py"
 ZERO12_BY_NAME = "unit/checkpoint/test_zero12_resume_by_name.py"
+ZERO12_FULL_BY_NAME = "unit/checkpoint/test_zero12_full_resume_by_name.py"
+UNIVERSAL_FLAGS = "unit/checkpoint/test_universal_zero12_load_flags.py"
 
 # yapf: disable
 CELLS = {
@@ -73,7 +75,11 @@ CELLS = {
     # 0007: one universal state file format
     ONE_FORMAT: dict(feature="universal-autotp", stage=3, precision="fp32", checkpoint="universal", layout="dp2->dp2"),
     f"{ONE_FORMAT}::TestUniversalOneFormat::test_zero1_loads_bare_tensor_folder": dict(stage=1),
-    # 0010: ZeRO-1/2 fresh-optimizer resume
+    # 0010: universal and BF16_Optimizer loads honour the load flags
+    UNIVERSAL_FLAGS: dict(feature="resume", offload="none", checkpoint="universal", layout="none"),
+    f"{UNIVERSAL_FLAGS}::TestBF16OptimizerLoadFromFp32WeightsFalse":
+        dict(stage=1, precision="bf16_fp32_grad_accum", checkpoint="rigid"),
+    # 0011: ZeRO-1/2 fresh-optimizer resume
     ZERO12: dict(feature="resume", offload="none", checkpoint="rigid", layout="none"),
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_missing_shards":
         dict(checkpoint="rigid, shard missing on one rank"),
@@ -81,20 +87,26 @@ CELLS = {
         dict(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank"),
     f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
     f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
-    # 0011: ZeRO-1/2 masters restored by name after a trainable-set or param-group change
+    f"{ZERO12}::TestZero1LayoutBefore0317": dict(stage=1, precision="bf16", checkpoint="rigid, saved before 0.3.17"),
+    # 0012: ZeRO-1/2 fresh-optimizer masters restored by name after a trainable-set or param-group change
     ZERO12_BY_NAME: dict(feature="resume", offload="none", checkpoint="rigid"),
     f"{ZERO12_BY_NAME}::TestZero12TrainableSetChange": dict(layout="trainable set"),
     f"{ZERO12_BY_NAME}::TestZero12ParamGroupsByName": dict(layout="param groups"),
-    # 0012: ZeRO-3 NVMe resume
+    # 0013: ZeRO-1/2 full resume by name after a trainable-set or param-group change
+    ZERO12_FULL_BY_NAME: dict(feature="resume", offload="none", checkpoint="rigid"),
+    f"{ZERO12_FULL_BY_NAME}::TestZero12FullResumeTrainableSetChange": dict(layout="trainable set"),
+    f"{ZERO12_FULL_BY_NAME}::TestZero12FullResumeParamGroupsByName": dict(layout="param groups"),
+    # 0014: ZeRO-3 NVMe resume
     NVME: dict(feature="resume", stage=3, precision="bf16", offload="nvme", checkpoint="rigid"),
     f"{NVME}::TestZero3NVMeResume::test_universal_refused_before_anything_changes":
         dict(checkpoint="universal (refused)"),
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
-    # 0015: ZeRO-1/2 optimizer-state fragments linked for every param group
+    # 0017: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
-    # 0014: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    f"{HP_LINK}::TestZero12HpLinkParamGroups::test_readable_right_after_a_load": dict(checkpoint="rigid"),
+    # 0016: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),

@@ -429,8 +429,7 @@ class TestZero3ParamGroupHyperparameters(DistributedTest):
         engine = build(precision, dist.get_world_size(), seed=1, groups=SWAPPED_GROUPS,
                        lr_scheduler=constant_lambda_lr)
         # the scheduler's base_lrs would give each group the other's lr from its next step on
-        for kwargs in (dict(), dict(load_optimizer_states=False)):
-            expect_rejected(engine, save_dir, "lr scheduler state.*base_lrs.*load_lr_scheduler_states=False", **kwargs)
+        expect_rejected(engine, save_dir, "lr scheduler state.*base_lrs.*load_lr_scheduler_states=False")
         engine.load_checkpoint(save_dir, tag=TAG, load_lr_scheduler_states=False)
         restored = hyperparameters_by_name(engine)
         assert restored == saved, (restored, saved)

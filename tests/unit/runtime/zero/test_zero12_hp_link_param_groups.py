@@ -140,3 +140,36 @@ class TestZero12HpLinkParamGroups(DistributedTest):
                     if not value.abs().sum() > 0:
                         problems.append(f"{name}: {key} is all zeros after {STEPS} steps")
         assert not problems, problems
+
+    @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "fp32"), (1, BF16_FP32_ACCUM)])
+    def test_readable_right_after_a_load(self, tmpdir, stage, precision):
+        """A full resume from a rigid checkpoint re-creates the hp mappings: read right after the load, before any
+        step, every parameter's moments are the saved ones, in an engine that had stepped since the save and in a
+        fresh one."""
+        engine, groups = build(stage, precision, "none")
+        x, y = fixed_batch(dtype=LOW_DTYPE[precision], device=engine.device)
+        for _ in range(STEPS):
+            engine.backward(engine(x, y))
+            engine.step()
+        saved = read_moments(groups)
+        engine.save_checkpoint(str(tmpdir), tag="ckpt")
+        engine.backward(engine(x, y))
+        engine.step()  # the moments move on: the load must bring the saved ones back
+        engine.load_checkpoint(str(tmpdir), tag="ckpt")
+        assert_same_moments(read_moments(groups), saved, "the engine that saved")
+        fresh, fresh_groups = build(stage, precision, "none")
+        fresh.load_checkpoint(str(tmpdir), tag="ckpt")
+        assert_same_moments(read_moments(fresh_groups), saved, "a fresh engine")
+
+
+def read_moments(groups):
+    """{(group index, param index): {key: full moment}} through safe_get_full_optimizer_state."""
+    return {(g, i): {key: safe_get_full_optimizer_state(p, key).cpu().clone()
+                     for key in MOMENTS}
+            for g, group in enumerate(groups) for i, p in enumerate(group)}
+
+
+def assert_same_moments(read, saved, engine):
+    problems = [f"{engine}: group {g} param {i} {key}" for (g, i), moments in saved.items() for key in MOMENTS
+                if not torch.equal(read[(g, i)][key], moments[key])]
+    assert not problems, problems
