@@ -91,8 +91,8 @@ class TestUniversalZero12LoadFlags(DistributedTest):
 
     @pytest.mark.parametrize("stage, precision", CELLS)
     def test_full_resume_load_from_fp32_weights_false(self, tmpdir, stage, precision):
-        """A full resume with load_from_fp32_weights=false: the saved moments, step and settings, and every master
-        its saved 16-bit weight, upcast."""
+        """A full resume with load_from_fp32_weights=false: the saved moments and step, and every master its saved
+        16-bit weight, upcast."""
         save_dir = str(tmpdir)
         saved = train_and_save(config_for(stage, precision, SAVED_RUN), save_dir)
         tag = to_universal(save_dir)
