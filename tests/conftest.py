@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Test setup shared by every test: the import path and accelerator default, and the hook that
 runs DistributedTest methods in their ranks (tests/unit/common.py)."""
 

@@ -7,9 +7,12 @@ For each patch of the series, in order, its branch (`ds-fork/NNNN-...` in the up
 whole, code and tests, into one scratch folder (.cache/branch-tests/tree: one path for every branch, so that
 the JIT-op cache built for the first one serves the others), its ops are built there, and pytest runs in its
 tests/ (upstream's conftest.py, pytest.ini and unit/common.py) with `import deepspeed` finding that branch's
-code: the patch and the patches its `Depends on` line needs, nothing else. The files run are the ones
-patches/tests.toml lists for the patch (`tests`, and `updates`, which name files of those dependencies) and the
-upstream test files its patches/upstream-tests/NNNN.diff changes;
+code: the patch and the patches its `Depends on` line needs, nothing else. The files run are every test file
+of ours the branch carries (its own `tests` in patches/tests.toml, the `updates` it makes to its dependencies'
+files, and those dependencies' own tests: a later patch can break an earlier patch's test unseen otherwise) and
+the upstream test files its patches/upstream-tests/NNNN.diff changes. A file already run on the same branch
+tree (the same files: `make branches` makes new commits of the same trees) keeps its result (--rerun runs it
+again);
 a test of those upstream files that fails also on pristine 0.19.8 in the last `make upstream-tests` results is
 version skew of the snapshot, reported apart. Results in .cache/branch-tests/results.json; a torch cell other than
 .venv (the Makefile's TORCH=2.10.0: .venv-torch2.10.0) keeps its own, .cache/branch-tests-torch2.10.0/, and
@@ -72,19 +75,43 @@ def sync_tree(src, dest):
             shutil.copymode(source, target)
 
 
-def branch_commit(checkout, branch):
-    """The branch's commit now, or None where it is gone: saved results of another commit are not its results."""
-    proc = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--verify", "--quiet", branch],
+def branch_tree(checkout, branch):
+    """The branch's tree now, or None where it is gone: saved results of other files are not its results."""
+    proc = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--verify", "--quiet", f"{branch}^{{tree}}"],
                           capture_output=True,
                           text=True)
     return proc.stdout.strip() or None
 
 
-def files_to_run(entry, number):
-    """tests/-relative: the patch's own tests, the earlier tests it updates, the upstream tests its diff changes."""
-    ours = [f[len("tests/"):] for f in entry["tests"] + entry["updates"]]
+def files_to_run(manifest, number, checkout, branch):
+    """tests/-relative: the patch's own tests and the earlier tests it updates, then the other test files of
+    ours that the branch carries (its dependencies' tests), then the upstream tests its diff changes."""
+    entry = manifest[number]
+    own = entry["tests"] + entry["updates"]
+    ours_anywhere = {f for e in manifest.values() for f in e["tests"]}
+    carried = sorted(ours_anywhere.intersection(branch_files(checkout, branch)) - set(own))
     diff = ut.UPDATES / f"{number}.diff"
-    return ours, ut.updated_files([diff]) if diff.exists() else []
+    return [f[len("tests/"):] for f in own + carried], ut.updated_files([diff]) if diff.exists() else []
+
+
+def branch_files(checkout, branch):
+    proc = subprocess.run(["git", "-C", str(checkout), "ls-tree", "-r", "--name-only", branch, "tests"],
+                          capture_output=True,
+                          text=True,
+                          check=True)
+    return proc.stdout.split()
+
+
+def record(state, saved, number, branch, prefix, tree, results, upstream_files):
+    """Save after every file: a stopped run keeps what it finished, and the next run starts from there."""
+    state["branches"][number] = {
+        "branch": branch,
+        "prefix": prefix,
+        "tree": tree,
+        "results": results,
+        "upstream_files": upstream_files
+    }
+    saved.write_text(json.dumps(state, indent=1))
 
 
 def exception_line(detail):
@@ -104,14 +131,14 @@ def skew(pristine, test_file, nodeid, result):
 
 def report(state):
     pristine = state.get("pristine", {})
-    print("| patch | branch commit | file | passed | failed | skipped | error+timeout | failing on pristine too |")
+    print("| patch | branch tree | file | passed | failed | skipped | error+timeout | failing on pristine too |")
     print("|---|---|---|---|---|---|---|---|")
     for number, run in state["branches"].items():
         for test_file, res in run["results"].items():
             c = ut.counts(res)
             bad = [n for n, r in res.items() if r["outcome"] not in ("passed", "skipped")]
             skewed = [n for n in bad if test_file in run["upstream_files"] and skew(pristine, test_file, n, res[n])]
-            cells = [run["commit"][:12], f"`{test_file}`", c["passed"], c["failed"], c["skipped"]]
+            cells = [run["tree"][:12], f"`{test_file}`", c["passed"], c["failed"], c["skipped"]]
             cells += [c["error"] + c["timeout"], len(skewed)]
             print(f"| {number} | " + " | ".join(str(x) for x in cells) + " |")
     failures = [
@@ -140,6 +167,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
     parser.add_argument("--out", type=Path, default=ut.ROOT / ".cache" / f"branch-tests{ut.CELL}")
     parser.add_argument("--report", action="store_true", help="print the saved results of the last run")
+    parser.add_argument("--rerun", action="store_true", help="run files already run on the same branch tree")
     args = parser.parse_args()
     saved = args.out / "results.json"
     state = json.loads(saved.read_text()) if saved.exists() else {"branches": {}}
@@ -157,7 +185,7 @@ def main():
     state["branches"] = {
         n: r
         for n, r in state["branches"].items() if n in numbers and r.get("prefix") == args.prefix
-        and r.get("commit") == branch_commit(args.upstream, r["branch"])
+        and r.get("tree") == branch_tree(args.upstream, r["branch"])
     }
     tree = args.out / "tree"
     ut.TREES[TREE] = tree
@@ -166,23 +194,24 @@ def main():
         if args.only and number not in args.only:
             continue
         branch = branch_name(patch, args.prefix)
-        commit = branch_commit(args.upstream, branch)
-        ours, upstream_files = files_to_run(manifest[number], number)
-        print(f"{branch}: {', '.join(ours + upstream_files) or 'no tests'}", flush=True)
-        with ut.cpu_lock():
-            extract_branch(args.upstream, branch, tree)
-            # Always load, not only where a .so is missing: an earlier branch's .so may be stale here (0008
-            # changes the shm op's source), and a build inside a test would count against its timeout.
-            ut.load_ops(TREE)
-            results = {f: ut.run_file(TREE, tree, f, args.out, args.timeout) for f in ours + upstream_files}
-        state["branches"][number] = {
-            "branch": branch,
-            "prefix": args.prefix,
-            "commit": commit,
-            "results": results,
-            "upstream_files": upstream_files
-        }
-        saved.write_text(json.dumps(state, indent=1))
+        tree_id = branch_tree(args.upstream, branch)
+        ours, upstream_files = files_to_run(manifest, number, args.upstream, branch)
+        earlier = {} if args.rerun else state["branches"].get(number, {}).get("results", {})
+        results = {f: earlier[f] for f in ours + upstream_files if f in earlier}
+        to_run = [f for f in ours + upstream_files if f not in results]
+        print(f"{branch}: {', '.join(to_run) or 'nothing new to run'}" +
+              (f" (kept from a run of this tree: {', '.join(results)})" if results else ""),
+              flush=True)
+        if to_run:
+            with ut.cpu_lock():
+                extract_branch(args.upstream, branch, tree)
+                # Always load, not only where a .so is missing: an earlier branch's .so may be stale here (0008
+                # changes the shm op's source), and a build inside a test would count against its timeout.
+                ut.load_ops(TREE)
+                for f in to_run:
+                    results[f] = ut.run_file(TREE, tree, f, args.out, args.timeout)
+                    record(state, saved, number, branch, args.prefix, tree_id, results, upstream_files)
+        record(state, saved, number, branch, args.prefix, tree_id, results, upstream_files)
         for f, res in results.items():
             print(f"  {f}: {ut.counts(res)}", flush=True)
     return 1 if report(state) else 0

@@ -477,6 +477,47 @@ def series_message(patch):
     return f"{subject}\n\n{body}".strip() if body else subject
 
 
+# Upstream's pre-commit hooks (its .pre-commit-config.yaml): yapf 0.40.0 with its .style.yapf, and
+# scripts/check-license.py, which wants an SPDX line and "# DeepSpeed Team" in every Python file.
+UPSTREAM_YAPF_STYLE = "{based_on_style: pep8, column_limit: 119, split_all_comma_separated_values: false}"
+LICENSE_LINE = "# SPDX-License-Identifier: Apache-2.0\n"
+TEAM_LINE = "# DeepSpeed Team\n"
+
+
+def in_upstream_style(text):
+    """A Python file as upstream's pre-commit hooks leave it: formatted by yapf in upstream's style, with the
+    license lines check-license.py looks for (our header gains "# DeepSpeed Team" after its SPDX line)."""
+    from yapf.yapflib.yapf_api import FormatCode  # imported here: only check and branches need it
+    if TEAM_LINE not in text and LICENSE_LINE in text:
+        text = text.replace(LICENSE_LINE, LICENSE_LINE + "\n" + TEAM_LINE, 1)
+    return FormatCode(text, style_config=UPSTREAM_YAPF_STYLE)[0]
+
+
+def style_problems(tree, paths):
+    """The Python files among paths (relative to tree) that upstream's pre-commit hooks would change or reject."""
+    problems = []
+    for rel in sorted(p for p in paths if p.endswith(".py") and (Path(tree) / p).exists()):
+        text = (Path(tree) / rel).read_text()
+        if LICENSE_LINE not in text:
+            problems.append(f"{rel} has no `{LICENSE_LINE.strip()}` line (upstream's check-license.py wants it)")
+        elif text != in_upstream_style(text):
+            problems.append(f"{rel} is not in upstream's style (yapf 0.40.0 with its .style.yapf, or the license "
+                            f"lines): run `.venv/bin/python tools/patches.py style {rel}`")
+    return problems
+
+
+def cmd_style(args):
+    """Rewrite files in upstream's style (in_upstream_style)."""
+    for rel in args.files:
+        path = Path(rel)
+        text = path.read_text()
+        styled = in_upstream_style(text)
+        if styled != text:
+            path.write_text(styled)
+            print(f"restyled {rel}")
+    return 0
+
+
 def cmd_check(args):
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -488,6 +529,10 @@ def cmd_check(args):
         except PatchError as err:
             problems.append(f"series does not apply to pristine {pin()['version']}: {err}")
         problems += dependency_problems(scratch, read_series(args.patches))
+        changed = set().union(*(changed_paths(Path(args.patches, p).read_text()) for p in read_series(args.patches)))
+        problems += style_problems(scratch, changed)
+    tests = subprocess.run(["git", "-C", str(ROOT), "ls-files", "tests"], capture_output=True, text=True).stdout
+    problems += style_problems(ROOT, tests.split())
     problems += [f"{diff}: {why}" for diff, why in stray_diffs(args.patches, read_series(args.patches))]
     fork = Path(args.fork)
     if fork.exists():
@@ -862,6 +907,7 @@ def branch_test_files(entry, number, placed, source, listed=None):
     texts = {}
     for rel in own + helpers:
         text = committed_text(source, rel, rev if rel in own else "HEAD")  # imported_helpers refused uncommitted
+        text = in_upstream_style(text) if rel.endswith(".py") else text  # an `at` older than the restyle
         if placed.get(rel) != text:
             texts[rel] = text
     return texts
@@ -1219,6 +1265,8 @@ def main(argv=None):
     p_export = sub.add_parser("export")
     p_export.add_argument("--force", action="store_true", help="export even over a newer patches/ (after a pull)")
     sub.add_parser("check")
+    p_style = sub.add_parser("style", help="rewrite Python files as upstream's pre-commit hooks want them")
+    p_style.add_argument("files", nargs="+")
     p_pristine = sub.add_parser("pristine")
     p_pristine.add_argument("--dest", default=str(ROOT / "pristine"))
     p_branches = sub.add_parser("branches",
@@ -1245,6 +1293,8 @@ def main(argv=None):
             cmd_export(args)
         elif args.command == "check":
             return cmd_check(args)
+        elif args.command == "style":
+            return cmd_style(args)
         elif args.command == "pristine":
             cmd_pristine(args)
         elif args.command == "branches":

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """examples/train.py refuses bad flags and missing checkpoints with a message that says what to do,
 before any process group or model exists."""
 

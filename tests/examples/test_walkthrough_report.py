@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """When a walkthrough step fails, its report shows every rank's own last lines (each rank logs to its own
 file), those with an error first, then the launcher's. The launcher's "exits with return code" line names
 the last spawned rank's command whichever rank failed, so the report must not trust it."""

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """tools/branch_tests.py: which files a pull request's branch is checked with, and which of their failures count.
 Our tests' failures always count; a failure of an upstream test file the patch updates counts unless pristine
 0.19.8 fails that test too (the snapshot's version skew)."""

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The validated-cells matrix: what the recorder writes for passed, failed, skipped and deselected
 tests, and the markdown that tools/cells.py prints from it."""
 

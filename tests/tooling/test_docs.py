@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The README is the landing page, docs/ the reference: the README's list of patches is the one
 `tools/patches.py readme` generates from patches/series (a stale list fails here), it follows a renumbered series,
 and every relative link of the README and docs/ leads to a file, and heading, that exists."""

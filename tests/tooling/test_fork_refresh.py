@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """How `pip install -e .` and `make sync` (tools/patches.py materialize / import) treat an existing fork/
 after patches/ changed: re-import only what loses nothing, into a scratch tree swapped in once complete (the
 old tree kept as fork.bak-<time>); refuse a fork/ that predates the series and holds work, without advising

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The patch-series tooling (tools/patches.py): the series applies to pristine upstream, the fork tree
 is in sync, and the check catches work that was not exported. Runs on scratch copies."""
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """`pip install -e .` / `pip install .` at the repository root (pyproject.toml, tools/fork_backend.py) install
 the patched DeepSpeed into an environment that has torch, and keep that torch.
 

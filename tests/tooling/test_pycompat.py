@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Python 3.9+ for everything we ship, and no DeepSpeed file raised above upstream's minimum by the
 series (tools/pycompat.py, vermin). Newer syntax is caught on scratch copies."""
 

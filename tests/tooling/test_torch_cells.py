@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Torch cells (Makefile TORCH=...): each is a venv of its own, whose upstream-tests results are kept apart and
 can be shown beside the default cell's (tools/upstream_tests.py --report --cells)."""
 
@@ -70,7 +72,10 @@ def results(folder, torch, outcomes):
                 "f.py": tests
             },
             "pristine": {
-                "f.py": {n: dict(r, outcome="passed") for n, r in tests.items()}
+                "f.py": {
+                    n: dict(r, outcome="passed")
+                    for n, r in tests.items()
+                }
             }
         }
     }

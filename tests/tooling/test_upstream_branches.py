@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """`tools/patches.py branches`: one stacked branch per patch in an upstream checkout, each holding the patch, its
 tests at upstream's paths with the helpers they import, and its update of upstream's tests, with the pull-request
 description as the message; a patch that conflicts stops the export by name. On a small synthetic upstream (no

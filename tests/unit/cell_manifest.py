@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The compatibility-matrix cell each test validates (unit/cells.py records them per run; tools/cells.py prints
 the matrix). Kept here, not as markers in the test files, so that those files run unchanged under upstream's
 harness, which has no `cell` marker.

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The compatibility-matrix cell each test validates, and the pytest plugin that records, per run, which
 cells passed, failed or were not run (test-results/cells.json; `tools/cells.py` prints the matrix).
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Multi-rank test harness, shaped like upstream's tests/unit/common.py::DistributedTest.
 
 A test class derives from DistributedTest and sets `world_size`; each test method then runs in

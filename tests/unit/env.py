@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Process environment shared by the tests, the benchmarks and the example (no pytest here)."""
 
 import hashlib

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The harness skips, with the reason, the multi-rank tests a node cannot run (tests/unit/common.py):
 off the CPU every rank needs a device of its own. Runs here without any accelerator."""
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Tiny models, data and configs shared by the tests (the role of upstream's simple_model.py)."""
 
 import torch

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Scaffolding shared by the affine planner tests, never a production path: the buffers ZeRO-3 holds, cut
 directly from the full parameter, and a transfer plan executed over tensors."""
 

@@ -95,9 +95,10 @@ def test_zero3_under_tp_reshard_is_exact(shape, source, target, tp_dim):
         # The same move planned per TP shard through the sweep: same result, fewer segments.
         per_shard = plan_zero3_data_parallel_reshard(
             contiguous_split_map(shape, _even_split(shape[tp_dim], source_tp), tp_dim), source_dp, target_dp)
-        again = apply_plan(per_shard, _tp_zero3_buffers(full, tp_dim, source_tp, source_dp, POISON),
-                       {rank: torch.zeros_like(buffer)
-                        for rank, buffer in expected.items()})
+        again = apply_plan(per_shard, _tp_zero3_buffers(full, tp_dim, source_tp, source_dp, POISON), {
+            rank: torch.zeros_like(buffer)
+            for rank, buffer in expected.items()
+        })
         for rank, buffer in expected.items():
             assert torch.equal(again[rank], buffer), f'target rank {rank}'
         assert len(per_shard.segments) <= len(plan.segments)

@@ -94,7 +94,10 @@ def test_zero3_reshard_matches_direct_partition(shape, degrees, dtype):
     full = torch.randn(shape).to(dtype)
     numel = full.numel()
     sources = dict(enumerate(zero3_buffers(full.view(-1), source_degree, POISON)))
-    targets = {rank: torch.zeros_like(buffer) for rank, buffer in enumerate(zero3_buffers(full.view(-1), target_degree, 0))}
+    targets = {
+        rank: torch.zeros_like(buffer)
+        for rank, buffer in enumerate(zero3_buffers(full.view(-1), target_degree, 0))
+    }
 
     plan = plan_transfer(zero_partition_map(numel, target_degree), zero_partition_map(numel, source_degree))
     apply_plan(plan, sources, targets)
@@ -249,7 +252,8 @@ def _random_budget(rng, plan):
         return None
     _, (segments, _, _, sources, targets, before, after, plan_bytes) = plan
     return PlanBudget(max_ndim=rng.choice([0, 1, 8]),
-                      max_pieces_per_map=rng.choice([max(sources, targets) - 1, max(sources, targets) + 2, 1 << 12]),
+                      max_pieces_per_map=rng.choice([max(sources, targets) - 1,
+                                                     max(sources, targets) + 2, 1 << 12]),
                       max_pair_checks=1 << 40,
                       max_segments=rng.choice([after - 1, after, 1 << 16]),
                       max_merge_passes=rng.choice([0, 1, 2, 8]),

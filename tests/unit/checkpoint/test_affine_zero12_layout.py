@@ -101,7 +101,6 @@ CASES = [{
     'parameter_alignment': alignment
 } for dtype in ('bfloat16', 'float32') for round_robin in (False, True) for alignment in (False, True)]
 
-
 # Launcher and harness variables that would make the subprocess's DeepSpeed join (or wait for) a job's ranks, e.g.
 # the CPU accelerator's shm collectives when LOCAL_SIZE equals the fake world size.
 _JOB_VARIABLES = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_SIZE', 'LOCAL_WORLD_SIZE', 'CROSS_RANK', 'CROSS_SIZE',
@@ -156,7 +155,8 @@ def _flat_partitions(params, requires_grad, world_size, element_size, parameter_
 
 @pytest.mark.parametrize('round_robin', [False, True])
 @pytest.mark.parametrize('parameter_alignment', [False, True])
-@pytest.mark.parametrize('degrees', [(4, 2), (2, 4), (4, 3), (3, 5)], ids=lambda degrees: f'{degrees[0]}to{degrees[1]}')
+@pytest.mark.parametrize('degrees', [(4, 2), (2, 4), (4, 3), (3, 5)],
+                         ids=lambda degrees: f'{degrees[0]}to{degrees[1]}')
 def test_zero_flat_reshard_moves_every_parameter_to_its_new_place(degrees, parameter_alignment, round_robin):
     """Per-parameter plans, executed into narrowed views of the target partitions, give the target
     layout exactly; padding stays zero, frozen and empty parameters are in no map."""
@@ -176,10 +176,13 @@ def test_zero_flat_reshard_moves_every_parameter_to_its_new_place(degrees, param
         (source_map, source_bases), (target_map, target_bases) = source, target
         source_map.validate_coverage()
         plan = plan_transfer(target_map, source_map)
-        apply_plan(plan, {rank: sources[rank].narrow(0, base, source_map.shard_shapes[rank][0])
-                      for rank, base in source_bases.items()},
-               {rank: targets[rank].narrow(0, base, target_map.shard_shapes[rank][0])
-                for rank, base in target_bases.items()})
+        apply_plan(plan, {
+            rank: sources[rank].narrow(0, base, source_map.shard_shapes[rank][0])
+            for rank, base in source_bases.items()
+        }, {
+            rank: targets[rank].narrow(0, base, target_map.shard_shapes[rank][0])
+            for rank, base in target_bases.items()
+        })
     for rank in range(target_degree):
         assert torch.equal(targets[rank], expected[rank])
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ds_to_universal writes one state file format: a ZeRO-3 run without tensor parallelism converts to
 the {param: tensor} dicts, in each parameter's own shape, that every other path writes, and the
 ZeRO-1/2 loader also reads the bare flat tensors that 0.19.8 wrote there."""

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-1/2 and BF16_Optimizer loads honour load_optimizer_states=False and zero_optimization.load_from_fp32_weights=
 false: a universal checkpoint loaded with a fresh optimizer keeps this run's moments (none), step, hyperparameters,
 loss scaler and clip_grad; with load_from_fp32_weights=false the masters are rebuilt from the 16-bit weights, for

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """A ZeRO-3 run saved without tensor parallelism resumes through a universal checkpoint at TP1 and
 under AutoTP, with every saved tensor restored bit for bit; a folder that cannot be this model is
 refused on every rank, by name, before anything is loaded."""

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-1/2 (bf16, fp16) and BF16_Optimizer full resumes at the saved data-parallel size after the trainable set or
 the param groups changed: the fp32 masters, moments, steps and hyperparameters of every parameter that was trainable
 when saved are restored by name; a full resume that cannot be served that way is refused on every rank, leaving the

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-1/2 (bf16, fp16) and BF16_Optimizer fresh-optimizer resumes at the saved data-parallel size after the
 trainable set or the param groups changed: the fp32 masters of every parameter that was trainable when saved are
 restored by name from every saved rank's memory-mapped shard; where the shards cannot serve that, the masters are
@@ -237,13 +239,18 @@ class TestZero12TrainableSetChange(DistributedTest):
         saved = save_trained(config, save_dir, nlayers=4, frozen=("layers.0.", ))
         put_back = move_aside_on_rank(shard_path(save_dir, 1), 1)
         engine = build(config, seed=1, hidden=HIDDEN, nlayers=4)
-        expect_rejected(engine, save_dir, "shard of saved rank 1.*" + WAYS_OUT, load_fp32_weights=True,
+        expect_rejected(engine,
+                        save_dir,
+                        "shard of saved rank 1.*" + WAYS_OUT,
+                        load_fp32_weights=True,
                         **FRESH_OPTIMIZER)
         for kwargs in REBUILD_MASTERS:
             rebuilt = build(config, seed=1, hidden=HIDDEN, nlayers=4)
             rebuilt.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            assert_same(masters(rebuilt), {name: weight.float() for name, weight in saved["weights"].items()},
-                        f"masters after {kwargs}")
+            assert_same(masters(rebuilt), {
+                name: weight.float()
+                for name, weight in saved["weights"].items()
+            }, f"masters after {kwargs}")
             assert_fresh(rebuilt)
         put_back()
 
@@ -269,8 +276,12 @@ class TestZero12TrainableSetChange(DistributedTest):
                 engine._map_zero_shard = fail_on_unreadable
             return engine
 
-        expect_rejected(build_unreadable_on_rank_0(), save_dir, "Input/output error.*" + WAYS_OUT, refusing_rank=0,
-                        load_fp32_weights=True, **FRESH_OPTIMIZER)
+        expect_rejected(build_unreadable_on_rank_0(),
+                        save_dir,
+                        "Input/output error.*" + WAYS_OUT,
+                        refusing_rank=0,
+                        load_fp32_weights=True,
+                        **FRESH_OPTIMIZER)
         engine = build_unreadable_on_rank_0()
         assert_rebuilt(engine, saved, "Input/output error", rebuild_warnings(engine, save_dir))
 

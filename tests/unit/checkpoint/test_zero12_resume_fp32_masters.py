@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """load_checkpoint(load_fp32_weights=...) under ZeRO-1/2 (bf16, fp16), the BF16_Optimizer path (bf16 weights
 with fp32 gradient accumulation, ZeRO-1) and ZeRO-3 fp16: which fp32 masters, moments and steps a resume ends
 with, and the resumes that cannot restore the masters failing early, alike on every rank, leaving the engine as

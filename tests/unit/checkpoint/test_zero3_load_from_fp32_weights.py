@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """zero_optimization.load_from_fp32_weights=false under ZeRO-3: a full resume restores the optimizer's moments and
 step and rebuilds the fp32 masters from the loaded 16-bit weights, as ZeRO-1/2 does."""
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-3 loads that consolidate the module from the shards read the checkpoint of the tag asked for, not the
 one the `latest` file names."""
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-3 with the optimizer offloaded to NVMe: every load_checkpoint mode ends in the same fp32 masters,
 moments and steps as the same run without offload (test_zero_resume_fp32_masters.py), for the sub-groups
 swapped to NVMe and for those kept in memory because they are below the aio minimum size."""

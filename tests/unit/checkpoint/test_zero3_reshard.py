@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-3: a rigid checkpoint saved at one data-parallel size resumes directly at another.
 
 Each rank reads its new partitions as slices of the saved shards. A checkpoint saved by `saved_world` ranks is
@@ -88,8 +90,10 @@ def build(precision, world_size, seed, frozen=FROZEN, groups=None, model="mlp", 
     trainable = [p for p in model.parameters() if p.requires_grad]
     if groups is not None:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        trainable = [dict(params=[p for name, p in named if name.startswith(prefixes)], **hyperparameters)
-                     for prefixes, hyperparameters in groups]
+        trainable = [
+            dict(params=[p for name, p in named if name.startswith(prefixes)], **hyperparameters)
+            for prefixes, hyperparameters in groups
+        ]
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            model_parameters=trainable,
                                            lr_scheduler=lr_scheduler,
@@ -378,8 +382,9 @@ class TestZero3LayoutChange(DistributedTest):
             engine = build(precision, dist.get_world_size(), seed=1, frozen=frozen_at_load)
             if mode == "full" and not frozen_at_load:
                 # layers.2 would share the sub-group's saved step with zero moments: refused, the way out named
-                expect_rejected(engine, save_dir, "layers.2.weight, layers.2.bias were not trainable when it was "
-                                "saved.*param group of their own.*load_optimizer_states=False")
+                expect_rejected(
+                    engine, save_dir, "layers.2.weight, layers.2.bias were not trainable when it was "
+                    "saved.*param group of their own.*load_optimizer_states=False")
                 engine = build(precision, dist.get_world_size(), seed=1, frozen=(), groups=NEW_LAYER_APART)
             engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
             assert_exact_where_saved(engine, ref, optimizer_state)
@@ -406,8 +411,8 @@ class TestZero3LayoutChange(DistributedTest):
 # Saved with two param groups; loaded with the same two swapped in order, each position keeping its
 # hyperparameters: restored by position, layers.0 would train with lr 0.03 / weight_decay 0.1.
 SAVED_GROUPS = [(("layers.0.", ), dict(lr=0.01, weight_decay=0.0)), (("layers.1.", ), dict(lr=0.03, weight_decay=0.1))]
-SWAPPED_GROUPS = [(("layers.1.", ), dict(lr=0.01, weight_decay=0.0)),
-                  (("layers.0.", ), dict(lr=0.03, weight_decay=0.1))]
+SWAPPED_GROUPS = [(("layers.1.", ), dict(lr=0.01, weight_decay=0.0)), (("layers.0.", ), dict(lr=0.03,
+                                                                                             weight_decay=0.1))]
 MERGED_GROUPS = [(("layers.0.", "layers.1."), dict(lr=0.02, weight_decay=0.0))]
 
 
@@ -424,9 +429,13 @@ class TestZero3ParamGroupHyperparameters(DistributedTest):
         ref = reference(save_dir)
         saved = {
             name: (group["lr"], group["weight_decay"], (0.9, 0.999))
-            for name in ref["masters"] for prefixes, group in SAVED_GROUPS if name.startswith(prefixes)
+            for name in ref["masters"]
+            for prefixes, group in SAVED_GROUPS if name.startswith(prefixes)
         }
-        engine = build(precision, dist.get_world_size(), seed=1, groups=SWAPPED_GROUPS,
+        engine = build(precision,
+                       dist.get_world_size(),
+                       seed=1,
+                       groups=SWAPPED_GROUPS,
                        lr_scheduler=constant_lambda_lr)
         # the scheduler's base_lrs would give each group the other's lr from its next step on
         expect_rejected(engine, save_dir, "lr scheduler state.*base_lrs.*load_lr_scheduler_states=False")
@@ -443,8 +452,9 @@ class TestZero3ParamGroupHyperparameters(DistributedTest):
             return
         ref = reference(save_dir)
         engine = build(precision, dist.get_world_size(), seed=1, groups=MERGED_GROUPS)
-        expect_rejected(engine, save_dir, "param group 0 holds parameters saved in param groups whose "
-                        "hyperparameters differ.*load_optimizer_states=False")
+        expect_rejected(
+            engine, save_dir, "param group 0 holds parameters saved in param groups whose "
+            "hyperparameters differ.*load_optimizer_states=False")
         engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
         assert set(hyperparameters_by_name(engine).values()) == {(0.02, 0.0, (0.9, 0.999))}
         assert_same(masters(engine), ref["masters"], "masters")
@@ -607,8 +617,8 @@ class TestZero3TensorParallelChangeRefused(DistributedTest):
     @pytest.mark.world_size([2, 2])
     @pytest.mark.parametrize("saved_tp, loaded_tp", [(2, 1), (1, 2)], ids=["tp2dp1_to_tp1dp2", "tp1dp2_to_tp2dp1"])
     def test_refused_alike_on_every_rank(self, tmp_path, saved_tp, loaded_tp):
-        from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, batches,
-                                                             make_config, new_engine, train)
+        from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, batches, make_config,
+                                                             new_engine, train)
 
         def tp_engine(tp_size, seed):
             torch.manual_seed(seed)

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-3 serial checkpoint loading (zero_optimization.pipeline_loading_checkpoint): local ranks load
 one at a time per node, for rigid and universal checkpoints, and every early exit fails every rank
 promptly instead of leaving the next local rank waiting for the token until the process-group
@@ -8,8 +10,8 @@ timeout."""
 import pytest
 import torch
 
-from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, simulate_nodes,
-                                                 to_universal, train_and_save)
+from unit.checkpoint.zero_resume_helpers import (TAG, make_config, make_engine, masters, simulate_nodes, to_universal,
+                                                 train_and_save)
 from unit.common import DistributedTest
 from unit.zero_tiny_models import SETTINGS
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Loads that take the module weights from the checkpoint's module (ZeRO-2) or from the shards (ZeRO-3, which
 consolidates them when load_optimizer_states=False), with frozen parameters: frozen only since the save, or frozen
 when saved and loaded at another data-parallel size."""

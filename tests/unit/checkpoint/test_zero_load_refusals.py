@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """A ZeRO load that some rank cannot carry out is refused on every rank before anything is loaded: the rank that
 found the problem gives its reason, the others name that rank, and none is left waiting in a collective."""
 
@@ -87,9 +89,9 @@ class TestRefusedAcrossATensorParallelGrid(DistributedTest):
         torch.manual_seed(1)
         resumed = new_engine(TinyMLPBlocks(), tp_config(2, partition_config=MLP_PARTITION_CONFIG))
         dp_rank = torch.distributed.get_rank(group=resumed.optimizer.dp_process_group)
-        own_shard = os.path.join(save_dir, TAG,
-                                 f"zero_pp_rank_{dp_rank}_mp_rank_{groups.get_tensor_model_parallel_rank():02d}"
-                                 "_optim_states.pt")
+        own_shard = os.path.join(
+            save_dir, TAG, f"zero_pp_rank_{dp_rank}_mp_rank_{groups.get_tensor_model_parallel_rank():02d}"
+            "_optim_states.pt")
         assert os.path.isfile(own_shard), own_shard
         move_aside_on_rank(own_shard, 3)
         expect_rejected(resumed, save_dir, "optim_states.pt", refusing_rank=3, **FULL_RESUME)

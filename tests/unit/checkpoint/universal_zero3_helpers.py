@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Helpers for the ZeRO-3 universal checkpoint tests: save a ZeRO-3 run, convert it with
 ds_to_universal, load it into another layout, and read back the state that was saved."""
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Shared steps for the checkpoint-resume tests: train a tiny model, save, convert, reload, and read
 back the fp32 masters and optimizer moments of every parameter (gathered, so equal on every rank)."""
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """CPU accelerator: the /dev/shm buffers of DeepSpeed's shm allreduce do not outlive the job.
 
 Each rank creates a buffer (about 66 MiB) named after MASTER_ADDR and MASTER_PORT and maps every peer's.

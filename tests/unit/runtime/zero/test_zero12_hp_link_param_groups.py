@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """safe_get_full_fp32_param / safe_get_full_optimizer_state under ZeRO-1/2 (and the BF16_Optimizer path) for a
 model trained with two optimizer param groups: every parameter of every group reads back its fp32 master and
 Adam moments, bit for bit the slice of the optimizer's own flat fp32 partitions gathered from every rank.
@@ -164,12 +166,19 @@ class TestZero12HpLinkParamGroups(DistributedTest):
 
 def read_moments(groups):
     """{(group index, param index): {key: full moment}} through safe_get_full_optimizer_state."""
-    return {(g, i): {key: safe_get_full_optimizer_state(p, key).cpu().clone()
-                     for key in MOMENTS}
-            for g, group in enumerate(groups) for i, p in enumerate(group)}
+    return {
+        (g, i): {
+            key: safe_get_full_optimizer_state(p, key).cpu().clone()
+            for key in MOMENTS
+        }
+        for g, group in enumerate(groups)
+        for i, p in enumerate(group)
+    }
 
 
 def assert_same_moments(read, saved, engine):
-    problems = [f"{engine}: group {g} param {i} {key}" for (g, i), moments in saved.items() for key in MOMENTS
-                if not torch.equal(read[(g, i)][key], moments[key])]
+    problems = [
+        f"{engine}: group {g} param {i} {key}" for (g, i), moments in saved.items() for key in MOMENTS
+        if not torch.equal(read[(g, i)][key], moments[key])
+    ]
     assert not problems, problems

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-3 master weights share the weight partition when they would be identical (same dtype and
 device): fp32 models, fp32 under torch autocast, and bf16 models with bf16 master weights. bf16
 models with fp32 masters, and optimizer offload, keep a separate master copy.

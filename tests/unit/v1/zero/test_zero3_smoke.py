@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Smoke test of the harness and the installed fork: ZeRO-3 trains on 2 ranks."""
 
 import math
