@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Run each pull request's tests on its own branch, under upstream's harness (after `make branches`).
 
 For each patch of the series, in order, its branch (`ds-fork/NNNN-...` in the upstream checkout) is extracted
@@ -77,19 +79,20 @@ def sync_tree(src, dest):
 
 def branch_tree(checkout, branch):
     """The branch's tree now, or None where it is gone: saved results of other files are not its results."""
-    proc = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--verify", "--quiet", f"{branch}^{{tree}}"],
-                          capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--verify", "--quiet", f"{branch}^{{tree}}"],
+        capture_output=True,
+        text=True)
     return proc.stdout.strip() or None
 
 
-def files_to_run(manifest, number, checkout, branch):
-    """tests/-relative: the patch's own tests and the earlier tests it updates, then the other test files of
-    ours that the branch carries (its dependencies' tests), then the upstream tests its diff changes."""
+def files_to_run(manifest, number, checkout, branch, own_only=False):
+    """tests/-relative: the patch's own tests and the earlier tests it updates, then (unless own_only) the other
+    test files of ours that the branch carries (its dependencies' tests), then the upstream tests its diff changes."""
     entry = manifest[number]
     own = entry["tests"] + entry["updates"]
     ours_anywhere = {f for e in manifest.values() for f in e["tests"]}
-    carried = sorted(ours_anywhere.intersection(branch_files(checkout, branch)) - set(own))
+    carried = [] if own_only else sorted(ours_anywhere.intersection(branch_files(checkout, branch)) - set(own))
     diff = ut.UPDATES / f"{number}.diff"
     return [f[len("tests/"):] for f in own + carried], ut.updated_files([diff]) if diff.exists() else []
 
@@ -167,6 +170,9 @@ def main():
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
     parser.add_argument("--out", type=Path, default=ut.ROOT / ".cache" / f"branch-tests{ut.CELL}")
     parser.add_argument("--report", action="store_true", help="print the saved results of the last run")
+    parser.add_argument("--own-only",
+                        action="store_true",
+                        help="only the patch's own tests and updates, not its dependencies' tests it carries")
     parser.add_argument("--rerun", action="store_true", help="run files already run on the same branch tree")
     args = parser.parse_args()
     saved = args.out / "results.json"
@@ -195,7 +201,7 @@ def main():
             continue
         branch = branch_name(patch, args.prefix)
         tree_id = branch_tree(args.upstream, branch)
-        ours, upstream_files = files_to_run(manifest, number, args.upstream, branch)
+        ours, upstream_files = files_to_run(manifest, number, args.upstream, branch, args.own_only)
         earlier = {} if args.rerun else state["branches"].get(number, {}).get("results", {})
         results = {f: earlier[f] for f in ours + upstream_files if f in earlier}
         to_run = [f for f in ours + upstream_files if f not in results]
