@@ -77,11 +77,12 @@ def load_toml(path):
 TOML_TABLE = re.compile(r'\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?')
 TOML_STRING = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*"([^"\\]*)"\s*(#.*)?')
 TOML_ARRAY = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*\[((?:\s*"[^"\\]*"\s*,?)*)\s*\]\s*(#.*)?', re.S)
+TOML_INLINE_TABLE = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*\{((?:\s*"[^"\\]*"\s*=\s*"[^"\\]*"\s*,?)*)\s*\}\s*(#.*)?')
 
 
 def parse_simple_toml(text, path="upstream.toml"):
-    """Tables of `key = "string"` and `key = ["string", ...]` (one or several lines) and comments; anything else
-    is refused rather than misread."""
+    """Tables of `key = "string"`, `key = ["string", ...]` (one or several lines), `key = {"name" = "string", ...}`
+    (one line) and comments; anything else is refused rather than misread."""
     data = {}
     table = data
     lines = iter(enumerate(text.splitlines(), 1))
@@ -92,12 +93,15 @@ def parse_simple_toml(text, path="upstream.toml"):
         while line.count("[") > line.count("]") and "=" in line:  # an array continued on the next lines
             line += " " + next(lines, (number, "]"))[1].split("#")[0].strip()
         header, item, array = TOML_TABLE.fullmatch(line), TOML_STRING.fullmatch(line), TOML_ARRAY.fullmatch(line)
+        inline = TOML_INLINE_TABLE.fullmatch(line)
         if header:
             table = data.setdefault(header.group(1), {})
         elif item:
             table[item.group(1)] = item.group(2)
         elif array:
             table[array.group(1)] = re.findall(r'"([^"\\]*)"', array.group(2))
+        elif inline:
+            table[inline.group(1)] = dict(re.findall(r'"([^"\\]*)"\s*=\s*"([^"\\]*)"', inline.group(2)))
         else:
             raise PatchError(f"{path}:{number}: beyond the TOML this tool reads without tomllib; "
                              f"use Python 3.11+ or `pip install tomli`")
@@ -874,15 +878,30 @@ def pr_description(message, number, series, prefix, titles, closures):
     return "\n\n".join(paragraphs)
 
 
+def file_revisions(entry, number, source):
+    """{own test file: the commit its branch takes it at}: `at` is one commit for every file of the table, or a
+    table {file: commit} (files it leaves out at HEAD)."""
+    own = entry["tests"] + entry["updates"]
+    at = entry["at"]
+    revs = {rel: at.get(rel, "HEAD") for rel in own} if isinstance(at, dict) else {rel: at for rel in own}
+    unknown = sorted(set(at) - set(own)) if isinstance(at, dict) else []
+    if unknown:
+        raise PatchError(f"patches/tests.toml [{number}]: `at` names {', '.join(unknown)}, not under its `tests` or "
+                         f"`updates`")
+    for rev in set(revs.values()):
+        if subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                capture_output=True).returncode != 0:
+            raise PatchError(f"patches/tests.toml [{number}]: at = \"{rev}\" is not a commit of {source}")
+    return revs
+
+
 def branch_test_files(entry, number, placed, source, listed=None):
     """{path: text} of the test files one branch adds or changes: its own tests and its dependencies' tests it
-    updates (`updates`), at its table's commit (`at`, default HEAD), and the unit.* helpers they import, at HEAD,
+    updates (`updates`), at its table's commit (`at`, default HEAD; file_revisions), and the unit.* helpers they import, at HEAD,
     that no dependency's branch placed. `placed` holds what the branches of the patches it
     depends on carry (its base); `listed` {test file: patch number} the `tests` of every earlier patch."""
-    rev = entry["at"]
-    if subprocess.run(["git", "-C", str(source), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
-                      capture_output=True).returncode != 0:
-        raise PatchError(f"patches/tests.toml [{number}]: at = \"{rev}\" is not a commit of {source}")
+    revs = file_revisions(entry, number, source)
     again = [f for f in entry["tests"] if f in placed]
     if again:
         raise PatchError(f"patches/tests.toml [{number}] lists {', '.join(again)} under `tests`, which the branch "
@@ -900,13 +919,15 @@ def branch_test_files(entry, number, placed, source, listed=None):
                          f"on (its `Depends on`, transitively) carries: name it under `tests`, or add the patch "
                          f"whose tests list it to its `Depends on`")
     own = entry["tests"] + entry["updates"]
-    helpers = [h for h in imported_helpers(own, source, rev) if h not in own]
+    helpers = []
+    for rel in own:
+        helpers += [h for h in imported_helpers([rel], source, revs[rel]) if h not in own + helpers]
     # Every pull request carries HEAD's version of a shared helper, so that two independent ones that both add it
     # add the same file; tests taken at an older `at` run with it (make branch-tests shows that they do).
     helpers += [h for h in imported_helpers(helpers, source) if h not in helpers + own]
     texts = {}
     for rel in own + helpers:
-        text = committed_text(source, rel, rev if rel in own else "HEAD")  # imported_helpers refused uncommitted
+        text = committed_text(source, rel, revs.get(rel, "HEAD"))  # imported_helpers refused uncommitted
         text = in_upstream_style(text) if rel.endswith(".py") else text  # an `at` older than the restyle
         if placed.get(rel) != text:
             texts[rel] = text

@@ -40,10 +40,20 @@ def config_for(stage, precision, run, universal=False, **zero_overrides):
     return config
 
 
-def build(config, seed):
+def build(config, seed, biases_apart=False):
+    """With biases_apart, two param groups (the biases without weight decay, as fine-tuning sets them up)."""
     torch.manual_seed(seed)
     model = TinyMLP()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    params = model.parameters()
+    if biases_apart:
+        named = list(model.named_parameters())
+        params = [{
+            "params": [p for n, p in named if not n.endswith("bias")]
+        }, {
+            "params": [p for n, p in named if n.endswith("bias")],
+            "weight_decay": 0.0
+        }]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
 
 
@@ -90,6 +100,20 @@ class TestUniversalZero12LoadFlags(DistributedTest):
             assert_same(masters(engine), expected, f"masters, load_from_fp32_weights={from_fp32}")
             assert_fresh(engine)
             assert optimizer_settings(engine) == configured, (optimizer_settings(engine), configured)
+
+    @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
+    def test_fresh_optimizer_more_param_groups(self, tmpdir, stage, precision):
+        """A fresh optimizer that puts the parameters into more groups than the saving run did: every parameter
+        gets its saved master, those of the group the saving run did not have too (they kept this run's initial
+        weights)."""
+        save_dir = str(tmpdir)
+        saved = train_and_save(config_for(stage, precision, SAVED_RUN), save_dir)
+        tag = to_universal(save_dir)
+        engine = build(config_for(stage, precision, THIS_RUN, universal=True), seed=1, biases_apart=True)
+        assert len(engine.optimizer.param_groups) == 2
+        engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=False)
+        assert_same(masters(engine), saved["masters"], "masters")
+        assert_fresh(engine)
 
     @pytest.mark.parametrize("stage, precision", CELLS)
     def test_full_resume_load_from_fp32_weights_false(self, tmpdir, stage, precision):

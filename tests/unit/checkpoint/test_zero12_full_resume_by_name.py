@@ -8,7 +8,10 @@ when saved are restored by name; a full resume that cannot be served that way is
 engine as it was. Fresh-optimizer resumes: test_zero12_resume_by_name.py."""
 
 import pytest
+import torch
 
+import deepspeed.comm as dist
+from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 from unit.checkpoint.test_zero12_resume_by_name import (HIDDEN, LAYOUT_CELLS, LOADED_HYPERPARAMETERS, SAVED_GROUPS,
                                                         assert_named_once, build, config_for, constant_lambda_lr,
                                                         expected_masters, expected_moments, hyperparameters,
@@ -88,6 +91,26 @@ class TestZero12FullResumeTrainableSetChange(DistributedTest):
                         "shard of saved rank 1.*" + WAYS_OUT)
         put_back()
 
+    @pytest.mark.parametrize("stage, precision", [(2, "bf16")])
+    def test_optimizer_state_not_element_wise(self, tmpdir, stage, precision):
+        """A saved optimizer state that is not one element per fp32 element (a blockwise or quantized optimizer's)
+        has no element offsets to restore by: a full resume is refused on every rank, engine unchanged; a fresh
+        resume, which reads only the masters, restores them."""
+        save_dir, config = str(tmpdir), config_for(stage, precision)
+        saved = save_trained(config, save_dir)
+        dist.barrier()
+        path = shard_path(save_dir, dist.get_rank())  # each rank rewrites its own shard
+        shard = torch.load(path, weights_only=False)
+        state = shard[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"][0]
+        state["exp_avg"] = torch.cat([state["exp_avg"], state["exp_avg"]])
+        torch.save(shard, path)
+        dist.barrier()
+        expect_rejected(build(config, seed=1, hidden=HIDDEN, frozen=("layers.1.", )), save_dir,
+                        "exp_avg with .*only optimizer states of one element per fp32 element.*" + WAYS_OUT)
+        engine = build(config, seed=1, hidden=HIDDEN, frozen=("layers.1.", ))
+        engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
+        assert_same(masters(engine), expected_masters(saved, engine), "masters")
+
 
 class TestZero12FullResumeParamGroupsByName(DistributedTest):
     """Saved with two param groups of different hyperparameters (1 and 3 layers, both padded). A current group
@@ -121,6 +144,17 @@ class TestZero12FullResumeParamGroupsByName(DistributedTest):
         expect_rejected(scheduled, save_dir, "lr scheduler state.*base_lrs.*load_lr_scheduler_states=False")
         scheduled.load_checkpoint(save_dir, tag=TAG, load_lr_scheduler_states=False)
         assert hyperparameters(scheduled) == saved["hyperparameters"], hyperparameters(scheduled)
+        # A fresh optimizer keeps this run's hyperparameters, so the rule is not applied: the scheduler loads by
+        # position, as 0.19.8 loads it (its base_lrs are the saved groups' lrs in the saved order).
+        scheduled_fresh = build(config,
+                                seed=1,
+                                hidden=HIDDEN,
+                                nlayers=4,
+                                groups=reordered,
+                                lr_scheduler=constant_lambda_lr)
+        scheduled_fresh.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
+        assert_same(masters(scheduled_fresh), saved["masters"], "masters")
+        assert scheduled_fresh.lr_scheduler.base_lrs == [group[1]["lr"] for group in SAVED_GROUPS]
 
     @pytest.mark.parametrize("stage, precision", LAYOUT_CELLS)
     def test_parameter_moved_to_another_group(self, tmpdir, stage, precision):
