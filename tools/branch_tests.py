@@ -86,13 +86,14 @@ def branch_tree(checkout, branch):
     return proc.stdout.strip() or None
 
 
-def files_to_run(manifest, number, checkout, branch, own_only=False):
+def files_to_run(manifest, number, branch_paths, own_only=False):
     """tests/-relative: the patch's own tests and the earlier tests it updates, then (unless own_only) the other
-    test files of ours that the branch carries (its dependencies' tests), then the upstream tests its diff changes."""
+    test files of ours among branch_paths, the branch's files (its dependencies' tests), then the upstream tests
+    its diff changes."""
     entry = manifest[number]
     own = entry["tests"] + entry["updates"]
     ours_anywhere = {f for e in manifest.values() for f in e["tests"]}
-    carried = [] if own_only else sorted(ours_anywhere.intersection(branch_files(checkout, branch)) - set(own))
+    carried = [] if own_only else sorted(ours_anywhere.intersection(branch_paths) - set(own))
     diff = ut.UPDATES / f"{number}.diff"
     return [f[len("tests/"):] for f in own + carried], ut.updated_files([diff]) if diff.exists() else []
 
@@ -103,6 +104,10 @@ def branch_files(checkout, branch):
                           text=True,
                           check=True)
     return proc.stdout.split()
+
+
+def interrupted(results):
+    return any(r["outcome"] in ("timeout", "error") for r in results.values())
 
 
 def record(state, saved, number, branch, prefix, tree, results, upstream_files):
@@ -141,7 +146,9 @@ def report(state):
             c = ut.counts(res)
             bad = [n for n, r in res.items() if r["outcome"] not in ("passed", "skipped")]
             skewed = [n for n in bad if test_file in run["upstream_files"] and skew(pristine, test_file, n, res[n])]
-            cells = [run["tree"][:12], f"`{test_file}`", c["passed"], c["failed"], c["skipped"]]
+            cells = [
+                run.get("tree", run.get("commit", "?"))[:12], f"`{test_file}`", c["passed"], c["failed"], c["skipped"]
+            ]
             cells += [c["error"] + c["timeout"], len(skewed)]
             print(f"| {number} | " + " | ".join(str(x) for x in cells) + " |")
     failures = [
@@ -201,9 +208,10 @@ def main():
             continue
         branch = branch_name(patch, args.prefix)
         tree_id = branch_tree(args.upstream, branch)
-        ours, upstream_files = files_to_run(manifest, number, args.upstream, branch, args.own_only)
+        ours, upstream_files = files_to_run(manifest, number, branch_files(args.upstream, branch), args.own_only)
         earlier = {} if args.rerun else state["branches"].get(number, {}).get("results", {})
-        results = {f: earlier[f] for f in ours + upstream_files if f in earlier}
+        # A timeout or an error may be the machine's (a busy CPU): those files run again.
+        results = {f: res for f, res in earlier.items() if not interrupted(res)}
         to_run = [f for f in ours + upstream_files if f not in results]
         print(f"{branch}: {', '.join(to_run) or 'nothing new to run'}" +
               (f" (kept from a run of this tree: {', '.join(results)})" if results else ""),

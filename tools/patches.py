@@ -888,7 +888,7 @@ def file_revisions(entry, number, source):
     if unknown:
         raise PatchError(f"patches/tests.toml [{number}]: `at` names {', '.join(unknown)}, not under its `tests` or "
                          f"`updates`")
-    for rev in set(revs.values()):
+    for rev in set(revs.values()) | (set() if isinstance(at, dict) else {at}):
         if subprocess.run(
             ["git", "-C", str(source), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
                 capture_output=True).returncode != 0:
@@ -898,9 +898,9 @@ def file_revisions(entry, number, source):
 
 def branch_test_files(entry, number, placed, source, listed=None):
     """{path: text} of the test files one branch adds or changes: its own tests and its dependencies' tests it
-    updates (`updates`), at its table's commit (`at`, default HEAD; file_revisions), and the unit.* helpers they import, at HEAD,
-    that no dependency's branch placed. `placed` holds what the branches of the patches it
-    depends on carry (its base); `listed` {test file: patch number} the `tests` of every earlier patch."""
+    updates (`updates`), at its table's commit (`at`, default HEAD; file_revisions), and the unit.* helpers they
+    import, at HEAD, that no dependency's branch placed. `placed` holds what the branches of the patches it depends
+    on carry (its base); `listed` {test file: patch number} the `tests` of every earlier patch."""
     revs = file_revisions(entry, number, source)
     again = [f for f in entry["tests"] if f in placed]
     if again:

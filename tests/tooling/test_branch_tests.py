@@ -17,11 +17,40 @@ import branch_tests  # noqa: E402
 
 
 def test_files_to_run_are_the_manifests_and_the_upstream_updates():
-    entry = {"tests": ["tests/unit/checkpoint/test_x.py"], "updates": ["tests/unit/checkpoint/test_y.py"]}
-    ours, upstream = branch_tests.files_to_run(entry, "0007")
+    manifest = {
+        "0001": {
+            "tests": ["tests/unit/checkpoint/test_y.py"],
+            "updates": []
+        },
+        "0007": {
+            "tests": ["tests/unit/checkpoint/test_x.py"],
+            "updates": ["tests/unit/checkpoint/test_y.py"]
+        },
+    }
+    ours, upstream = branch_tests.files_to_run(manifest, "0007", [])
     assert ours == ["unit/checkpoint/test_x.py", "unit/checkpoint/test_y.py"]
     assert upstream == ["unit/checkpoint/test_autotp_uc_checkpoint.py"]  # patches/upstream-tests/0007.diff
-    assert branch_tests.files_to_run(entry, "0001")[1] == []
+    assert branch_tests.files_to_run(manifest, "0001", [])[1] == []
+
+
+def test_a_branch_also_runs_the_tests_of_ours_it_carries():
+    """A dependency's test file on the branch runs too (a later patch can break it); upstream's files and helpers
+    that are not test files of a patch do not."""
+    manifest = {
+        "0001": {
+            "tests": ["tests/unit/test_a.py"],
+            "updates": []
+        },
+        "0002": {
+            "tests": ["tests/unit/test_b.py"],
+            "updates": []
+        },
+    }
+    on_branch = [
+        "tests/unit/test_a.py", "tests/unit/test_b.py", "tests/unit/helpers.py", "tests/unit/test_upstream.py"
+    ]
+    assert branch_tests.files_to_run(manifest, "0002", on_branch)[0] == ["unit/test_b.py", "unit/test_a.py"]
+    assert branch_tests.files_to_run(manifest, "0002", on_branch, own_only=True)[0] == ["unit/test_b.py"]
 
 
 def outcome(o, exception="AssertionError: x"):
@@ -51,7 +80,7 @@ def test_only_upstream_failures_that_pristine_shares_are_skew(capsys):
         "branches": {
             "0005": {
                 "branch": "ds-fork/0005-x",
-                "commit": "0123456789abcdef",
+                "tree": "0123456789abcdef",
                 "upstream_files": [up],
                 "results": {
                     up: {

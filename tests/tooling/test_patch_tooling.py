@@ -61,7 +61,7 @@ def test_check_catches_unexported_work_until_exported(scratch):
     assert check(fork, patches).returncode == 0
 
     target = fork / "deepspeed" / "runtime" / "zero" / "stage3.py"
-    target.write_text(target.read_text() + "\n# an edit nobody exported\n")
+    target.write_text(target.read_text() + "\n\n# an edit nobody exported\n")  # as yapf leaves it (make check)
     result = check(fork, patches)
     assert result.returncode != 0
     assert "uncommitted: deepspeed/runtime/zero/stage3.py" in result.stderr

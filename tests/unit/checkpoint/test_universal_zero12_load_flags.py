@@ -24,6 +24,7 @@ LOW_DTYPE = {"bf16": torch.bfloat16, BF16_FP32_ACCUM: torch.bfloat16, "fp16": to
 # What the saving run and the loading run configure: a load that keeps this run's optimizer keeps the second.
 SAVED_RUN = dict(lr=0.01, betas=(0.9, 0.999), clip=1.0, scale_power=8)
 THIS_RUN = dict(lr=0.05, betas=(0.7, 0.9), clip=0.5, scale_power=10)
+NEW_LAYER = "layers.3."
 
 
 def config_for(stage, precision, run, universal=False, **zero_overrides):
@@ -40,18 +41,25 @@ def config_for(stage, precision, run, universal=False, **zero_overrides):
     return config
 
 
-def build(config, seed, biases_apart=False):
-    """With biases_apart, two param groups (the biases without weight decay, as fine-tuning sets them up)."""
+def build(config, seed, biases_apart=False, new_layer=False):
+    """With biases_apart, two param groups (the biases without weight decay, as fine-tuning sets them up); with
+    new_layer, a fourth layer the saved model does not have, in a param group of its own (a new head)."""
     torch.manual_seed(seed)
-    model = TinyMLP()
+    model = TinyMLP(nlayers=4 if new_layer else 3)
+    named = list(model.named_parameters())
     params = model.parameters()
     if biases_apart:
-        named = list(model.named_parameters())
         params = [{
             "params": [p for n, p in named if not n.endswith("bias")]
         }, {
             "params": [p for n, p in named if n.endswith("bias")],
             "weight_decay": 0.0
+        }]
+    elif new_layer:
+        params = [{
+            "params": [p for n, p in named if not n.startswith(NEW_LAYER)]
+        }, {
+            "params": [p for n, p in named if n.startswith(NEW_LAYER)]
         }]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
@@ -101,7 +109,7 @@ class TestUniversalZero12LoadFlags(DistributedTest):
             assert_fresh(engine)
             assert optimizer_settings(engine) == configured, (optimizer_settings(engine), configured)
 
-    @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM)])
+    @pytest.mark.parametrize("stage, precision", CELLS)
     def test_fresh_optimizer_more_param_groups(self, tmpdir, stage, precision):
         """A fresh optimizer that puts the parameters into more groups than the saving run did: every parameter
         gets its saved master, those of the group the saving run did not have too (they kept this run's initial
@@ -113,6 +121,22 @@ class TestUniversalZero12LoadFlags(DistributedTest):
         assert len(engine.optimizer.param_groups) == 2
         engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=False)
         assert_same(masters(engine), saved["masters"], "masters")
+        assert_fresh(engine)
+
+    @pytest.mark.parametrize("stage, precision", CELLS)
+    def test_fresh_optimizer_new_layer(self, tmpdir, stage, precision):
+        """Fine-tuning with a layer the saved model does not have (a new head in a param group of its own, the
+        module loaded with load_module_strict=False): the saved parameters get their saved masters and the new
+        layer keeps its initial one; nothing saved is asked for it."""
+        save_dir = str(tmpdir)
+        saved = train_and_save(config_for(stage, precision, SAVED_RUN), save_dir)
+        tag = to_universal(save_dir)
+        engine = build(config_for(stage, precision, THIS_RUN, universal=True), seed=1, new_layer=True)
+        initial = masters(engine)
+        engine.load_checkpoint(save_dir, tag=tag, load_optimizer_states=False, load_module_strict=False)
+        new = {name: master for name, master in initial.items() if name.startswith(NEW_LAYER)}
+        assert new and not set(new) & set(saved["masters"])
+        assert_same(masters(engine), dict(saved["masters"], **new), "masters")
         assert_fresh(engine)
 
     @pytest.mark.parametrize("stage, precision", CELLS)

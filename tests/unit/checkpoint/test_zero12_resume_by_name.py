@@ -30,8 +30,9 @@ def constant_lambda_lr(optimizer):
 
 
 # Another trainable set or grouping at the saved data-parallel size: every parameter that was trainable when saved
-# resumes with its saved master read by name; the others start from their 16-bit weights. HIDDEN 5: 30 elements a layer (25 + 5), so a flat group of 1 or 3 layers is padded
-# at 2 ranks and the partition boundaries cut parameters in two.
+# resumes with its saved master read by name; the others start from their 16-bit weights. HIDDEN 5: 30 elements a
+# layer (25 + 5), so a flat group of 1 or 3 layers is padded at 2 ranks and the partition boundaries cut parameters
+# in two.
 HIDDEN = 5
 LAYOUT_CELLS = [(1, "bf16"), (2, "bf16"), (1, BF16_FP32_ACCUM), (2, "fp16")]
 # Saved with two param groups; the load configures other values, so a group that kept them is visible.
