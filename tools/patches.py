@@ -77,7 +77,9 @@ def load_toml(path):
 TOML_TABLE = re.compile(r'\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?')
 TOML_STRING = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*"([^"\\]*)"\s*(#.*)?')
 TOML_ARRAY = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*\[((?:\s*"[^"\\]*"\s*,?)*)\s*\]\s*(#.*)?', re.S)
-TOML_INLINE_TABLE = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*\{((?:\s*"[^"\\]*"\s*=\s*"[^"\\]*"\s*,?)*)\s*\}\s*(#.*)?')
+TOML_PAIR = r'"[^"\\]*"\s*=\s*"[^"\\]*"'
+TOML_INLINE_TABLE = re.compile(r'([A-Za-z0-9_-]+)\s*=\s*\{\s*((?:' + TOML_PAIR + r'\s*,\s*)*' + TOML_PAIR +
+                               r')?\s*\}\s*(#.*)?')
 
 
 def parse_simple_toml(text, path="upstream.toml"):
@@ -101,7 +103,10 @@ def parse_simple_toml(text, path="upstream.toml"):
         elif array:
             table[array.group(1)] = re.findall(r'"([^"\\]*)"', array.group(2))
         elif inline:
-            table[inline.group(1)] = dict(re.findall(r'"([^"\\]*)"\s*=\s*"([^"\\]*)"', inline.group(2)))
+            pairs = re.findall(r'"([^"\\]*)"\s*=\s*"([^"\\]*)"', inline.group(2) or "")
+            if len(dict(pairs)) != len(pairs):
+                raise PatchError(f"{path}:{number}: a key appears twice in the inline table")
+            table[inline.group(1)] = dict(pairs)
         else:
             raise PatchError(f"{path}:{number}: beyond the TOML this tool reads without tomllib; "
                              f"use Python 3.11+ or `pip install tomli`")
@@ -485,6 +490,7 @@ def series_message(patch):
 # scripts/check-license.py, which wants an SPDX line and "# DeepSpeed Team" in every Python file.
 UPSTREAM_YAPF_STYLE = "{based_on_style: pep8, column_limit: 119, split_all_comma_separated_values: false}"
 LICENSE_LINE = "# SPDX-License-Identifier: Apache-2.0\n"
+SPDX_LINE = re.compile(r"(?m)^# SPDX-License-Identifier: Apache-2\.0( AND BSD-3-Clause)?$")  # as check-license.py
 TEAM_LINE = "# DeepSpeed Team\n"
 
 
@@ -497,16 +503,17 @@ def in_upstream_style(text):
     return FormatCode(text, style_config=UPSTREAM_YAPF_STYLE)[0]
 
 
-def style_problems(tree, paths):
-    """The Python files among paths (relative to tree) that upstream's pre-commit hooks would change or reject."""
+def style_problems(tree, paths, edit_in=""):
+    """The Python files among paths (relative to tree) that upstream's pre-commit hooks would change or reject;
+    edit_in: the folder, relative to the repository, where they are edited (fork/ for the series' files)."""
     problems = []
     for rel in sorted(p for p in paths if p.endswith(".py") and (Path(tree) / p).exists()):
         text = (Path(tree) / rel).read_text()
-        if LICENSE_LINE not in text:
+        if not SPDX_LINE.search(text):
             problems.append(f"{rel} has no `{LICENSE_LINE.strip()}` line (upstream's check-license.py wants it)")
         elif text != in_upstream_style(text):
             problems.append(f"{rel} is not in upstream's style (yapf 0.40.0 with its .style.yapf, or the license "
-                            f"lines): run `.venv/bin/python tools/patches.py style {rel}`")
+                            f"lines): run `.venv/bin/python tools/patches.py style {edit_in}{rel}`")
     return problems
 
 
@@ -534,7 +541,7 @@ def cmd_check(args):
             problems.append(f"series does not apply to pristine {pin()['version']}: {err}")
         problems += dependency_problems(scratch, read_series(args.patches))
         changed = set().union(*(changed_paths(Path(args.patches, p).read_text()) for p in read_series(args.patches)))
-        problems += style_problems(scratch, changed)
+        problems += style_problems(scratch, changed, edit_in="fork/")
     tests = subprocess.run(["git", "-C", str(ROOT), "ls-files", "tests"], capture_output=True, text=True).stdout
     problems += style_problems(ROOT, tests.split())
     problems += [f"{diff}: {why}" for diff, why in stray_diffs(args.patches, read_series(args.patches))]
@@ -883,6 +890,8 @@ def file_revisions(entry, number, source):
     table {file: commit} (files it leaves out at HEAD)."""
     own = entry["tests"] + entry["updates"]
     at = entry["at"]
+    if not isinstance(at, (str, dict)) or isinstance(at, dict) and not all(isinstance(v, str) for v in at.values()):
+        raise PatchError(f"patches/tests.toml [{number}]: `at` is a commit, or a table {{\"file\" = \"commit\"}}")
     revs = {rel: at.get(rel, "HEAD") for rel in own} if isinstance(at, dict) else {rel: at for rel in own}
     unknown = sorted(set(at) - set(own)) if isinstance(at, dict) else []
     if unknown:

@@ -159,3 +159,14 @@ def test_upstream_toml_reads_without_tomllib():
     assert tool.parse_simple_toml(manifest.read_text()) == tool.load_toml(manifest)
     with pytest.raises(tool.PatchError, match="beyond the TOML this tool reads"):
         tool.parse_simple_toml('[deepspeed]\nversion = 19\n')
+    assert tool.parse_simple_toml('[a]\nat = { "x/y.py" = "1", "z" = "2" }  # pins\n') == {
+        "a": {
+            "at": {
+                "x/y.py": "1",
+                "z": "2"
+            }
+        }
+    }
+    for malformed in ('{ "x" = "1", }', '{ "x" = "1" "y" = "2" }', '{ "x" = "1", "x" = "2" }'):  # tomllib refuses
+        with pytest.raises(tool.PatchError):
+            tool.parse_simple_toml(f'[a]\nat = {malformed}\n')
