@@ -184,13 +184,13 @@ def main():
     args = parser.parse_args()
     saved = args.out / "results.json"
     state = json.loads(saved.read_text()) if saved.exists() else {"branches": {}}
+    comparison = ut.RESULTS / "results.json"  # this cell's pristine record, as the last make upstream-tests left it
+    compared = json.loads(comparison.read_text())["results"] if comparison.exists() else {}
+    state["pristine"] = compared.get("pristine", {})
     if args.report:
         return 1 if report(state) else 0
     if args.upstream is None:
         parser.error("--upstream is required (or --report)")
-    comparison = ut.RESULTS / "results.json"  # this cell's
-    compared = json.loads(comparison.read_text())["results"] if comparison.exists() else {}
-    state["pristine"] = compared.get("pristine", {})
     series = read_series(PATCHES)
     manifest = read_tests_manifest(PATCHES, series)
     # Results of patches no longer in the series, or of a run of other branches, are not this series' results.
