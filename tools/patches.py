@@ -486,9 +486,9 @@ def series_message(patch):
     return f"{subject}\n\n{body}".strip() if body else subject
 
 
-# Upstream's pre-commit hooks (its .pre-commit-config.yaml): yapf 0.40.0 with its .style.yapf, and
-# scripts/check-license.py, which wants an SPDX line and "# DeepSpeed Team" in every Python file.
-UPSTREAM_YAPF_STYLE = "{based_on_style: pep8, column_limit: 119, split_all_comma_separated_values: false}"
+# Upstream's pre-commit hooks (its .pre-commit-config.yaml): yapf 0.40.0 with its .style.yapf (ours has the same
+# settings), and scripts/check-license.py, which wants an SPDX line and "# DeepSpeed Team" in every Python file.
+YAPF_STYLE = ROOT / ".style.yapf"
 LICENSE_LINE = "# SPDX-License-Identifier: Apache-2.0\n"
 SPDX_LINE = re.compile(r"(?m)^# SPDX-License-Identifier: Apache-2\.0( AND BSD-3-Clause)?$")  # as check-license.py
 TEAM_LINE = "# DeepSpeed Team\n"
@@ -500,7 +500,7 @@ def in_upstream_style(text):
     from yapf.yapflib.yapf_api import FormatCode  # imported here: only check and branches need it
     if TEAM_LINE not in text and LICENSE_LINE in text:
         text = text.replace(LICENSE_LINE, LICENSE_LINE + "\n" + TEAM_LINE, 1)
-    return FormatCode(text, style_config=UPSTREAM_YAPF_STYLE)[0]
+    return FormatCode(text, style_config=str(YAPF_STYLE))[0]
 
 
 def style_problems(tree, paths, edit_in=""):
