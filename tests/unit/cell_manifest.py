@@ -105,10 +105,10 @@ CELLS = {
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
-    # 0017: ZeRO-1/2 optimizer-state fragments linked for every param group
+    # 0016: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
     f"{HP_LINK}::TestZero12HpLinkParamGroups::test_readable_right_after_a_load": dict(checkpoint="rigid"),
-    # 0016: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0021: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),

@@ -22,6 +22,8 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint import zero3_checkpoint_reader
+from deepspeed.checkpoint.affine_transfer import PlanBudget
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_fresh, assert_same, expect_rejected, masters, moments,
                                                  rounding, truncate_on_rank, weights, move_aside_on_rank)
 from unit.common import DistributedTest
@@ -522,6 +524,22 @@ class TestZero3ReshardRefused(DistributedTest):
         engine = build("bf16", dist.get_world_size(), seed=1)
         for kwargs, _, _ in MODES.values():
             expect_rejected(engine, save_dir, match, **kwargs)
+
+    @layouts("dp4->dp2")
+    def test_layout_the_planner_refuses(self, tmp_path, world_size, layout):
+        """A plan over the planner's budget (beyond 4096 ranks by default; here a budget of 2 pieces per map) is
+        refused in the check stage, naming the universal route, not "restore the file"."""
+        save_dir = str(tmp_path)
+        if saves_reference(save_dir, "bf16", saved_world=world_size[0]):
+            return
+        engine = build("bf16", dist.get_world_size(), seed=1)
+        default_cache = zero3_checkpoint_reader.PlanCache
+        zero3_checkpoint_reader.PlanCache = lambda: default_cache(PlanBudget(max_pieces_per_map=2))
+        try:
+            for kwargs, _, _ in MODES.values():
+                expect_rejected(engine, save_dir, "max_pieces_per_map.*ds_to_universal", **kwargs)
+        finally:
+            zero3_checkpoint_reader.PlanCache = default_cache
 
     @layouts("dp4->dp2")
     def test_nvme_offload(self, tmp_path, world_size, layout):
