@@ -19,6 +19,7 @@ ONE_FORMAT = "unit/checkpoint/test_universal_one_format.py"
 ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
+LAYOUT_REFUSALS = "unit/checkpoint/test_zero3_rigid_layout_refusals.py"
 HP_LINK = "unit/runtime/zero/test_zero12_hp_link_param_groups.py"
 LOAD_TAG = "unit/checkpoint/test_zero3_load_tag.py"
 FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
@@ -108,7 +109,11 @@ CELLS = {
     # 0016: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
     f"{HP_LINK}::TestZero12HpLinkParamGroups::test_readable_right_after_a_load": dict(checkpoint="rigid"),
-    # 0021: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0021: ZeRO-3 rigid loads refused at another model-parallel layout or without their NVMe offload
+    LAYOUT_REFUSALS: dict(feature="resume", stage=3, checkpoint="rigid (refused)"),
+    f"{LAYOUT_REFUSALS}::TestZero3TensorParallelChangeRefused": dict(precision="fp32", layout="tp2xdp1 <-> tp1xdp2"),
+    f"{LAYOUT_REFUSALS}::TestZero3SavedWithNVMeRefused": dict(precision="bf16", offload="nvme when saved"),
+    # 0022: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),
@@ -123,10 +128,6 @@ CELLS = {
     f"{RESHARD}::TestZero3ReshardRefused": dict(precision="bf16", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardRefused::test_nvme_offload":
         dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
-    f"{RESHARD}::TestZero3ReshardRefused::test_saved_with_nvme_at_the_saved_size":
-        dict(precision="bf16", offload="nvme when saved", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardSerialLoad": dict(feature="serial-load", precision="bf16"),
-    f"{RESHARD}::TestZero3TensorParallelChangeRefused":
-        dict(precision="fp32", checkpoint="rigid (refused)", layout="tp2xdp1 <-> tp1xdp2"),
 }
 # yapf: enable
