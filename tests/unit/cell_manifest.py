@@ -129,5 +129,6 @@ CELLS = {
     f"{RESHARD}::TestZero3ReshardRefused::test_nvme_offload":
         dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardSerialLoad": dict(feature="serial-load", precision="bf16"),
+    f"{RESHARD}::test_reader_partitions_equal_a_direct_repartition": dict(precision="fp32", layout="dp1-9->dp1-9"),
 }
 # yapf: enable

@@ -14,13 +14,14 @@ import types
 import pytest
 import torch
 
-from deepspeed.checkpoint.affine import zero3_flat_layout, zero_partition_map
+from deepspeed.checkpoint.affine import zero3_flat_layout, zero_partition_map, zero_partition_sizes
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget, PlanCache,
-                                                  UnsupportedLayoutError, copy_segments, plan_transfer)
+                                                  TransferSegment, UnsupportedLayoutError, copy_segments,
+                                                  plan_transfer)
 from unit.checkpoint.affine_plan_helpers import zero3_buffers
 
 DEGREES = [(4, 3), (4, 2), (2, 4), (4, 8), (3, 7), (1, 5), (5, 1), (3, 3)]
-NUMELS = [35, 1, 7, 64 * 128, 3]  # a one-element parameter leaves most ranks nothing but padding
+NUMELS = [35, 1, 7, 0, 64 * 128, 3]  # one element leaves most ranks nothing but padding; none, nothing at all
 POISON = float('nan')
 SENTINEL = -7.0
 
@@ -127,13 +128,26 @@ def test_cache_budget_and_refusals_are_not_cached():
     # 4096 -> 3072 is within the default budget: a rank gets at most two segments of its 3-element partition.
     segments = PlanCache().zero_partition_segments(3 * 3072, 4096, 3072, 3071)
     assert sum(segment.numel for segment in segments) == 3 and len(segments) <= 2
-    cache = PlanCache(PlanBudget(max_pieces_per_map=4095))
+    # A ZeRO-3 map has one piece per rank: the pieces limit (4096 by default) follows the world sizes.
+    segments = PlanCache().zero_partition_segments(6144, 8192, 6144, 6143)
+    assert [(segment.source_rank, segment.source_offset, segment.numel) for segment in segments] == [(6143, 0, 1)]
+    cache = PlanCache(PlanBudget(max_segments=1))
     for _ in range(2):
-        with pytest.raises(AffineTransferError, match='max_pieces_per_map'):
-            cache.zero_partition_segments(3 * 3072, 4096, 3072, 0)
+        with pytest.raises(AffineTransferError, match='max_segments'):
+            cache.zero_partition_segments(35, 4, 3, 0)
     assert (cache.misses, len(cache)) == (2, 0)
     with pytest.raises(InvalidMapError, match='target rank 3'):
         PlanCache().zero_partition_segments(35, 4, 3, 3)
+
+
+@pytest.mark.parametrize('world_size', [1, 3, 8192])
+def test_an_unchanged_world_size_copies_each_rank_s_own_prefix(world_size):
+    cache = PlanCache()
+    for numel in (0, 1, 35, 9000):
+        for rank in {0, 1 % world_size, world_size - 1}:
+            size = zero_partition_sizes(numel, world_size)[rank]
+            expected = (TransferSegment(rank, 0, (1, ), rank, 0, (1, ), (size, )), ) if size else ()
+            assert cache.zero_partition_segments(numel, world_size, world_size, rank) == expected
 
 
 def test_executor_reads_only_the_ranks_it_needs():
@@ -160,7 +174,9 @@ def test_executor_refusals():
         copy_segments(segments, sources.__getitem__, torch.zeros(12), 0)
     with pytest.raises(AffineTransferError, match='target rank 1: a segment reaches element'):
         copy_segments(segments, sources.__getitem__, torch.zeros(11), 1)
-    with pytest.raises(AffineTransferError, match='source rank 1: a segment reaches element'):
-        copy_segments(segments, lambda rank: sources[rank][:3], torch.zeros(12), 1)
+    target = torch.full((12, ), SENTINEL)
+    with pytest.raises(AffineTransferError, match='source rank 2: a segment reaches element'):
+        copy_segments(segments, lambda rank: sources[rank] if rank == 1 else sources[rank][:3], target, 1)
+    assert (target == SENTINEL).all(), 'a refused plan wrote part of the target'
     with pytest.raises(UnsupportedLayoutError, match='non-contiguous'):
         copy_segments(segments, sources.__getitem__, torch.zeros(24)[::2], 1)

@@ -527,17 +527,17 @@ class TestZero3ReshardRefused(DistributedTest):
 
     @layouts("dp4->dp2")
     def test_layout_the_planner_refuses(self, tmp_path, world_size, layout):
-        """A plan over the planner's budget (beyond 4096 ranks by default; here a budget of 2 pieces per map) is
-        refused in the check stage, naming the universal route, not "restore the file"."""
+        """A plan over the planner's budget (by default more than 65536 segments, saved plus new ranks above 65537;
+        here one segment) is refused in the check stage, naming the universal route, not "restore the file"."""
         save_dir = str(tmp_path)
         if saves_reference(save_dir, "bf16", saved_world=world_size[0]):
             return
         engine = build("bf16", dist.get_world_size(), seed=1)
         default_cache = zero3_checkpoint_reader.PlanCache
-        zero3_checkpoint_reader.PlanCache = lambda: default_cache(PlanBudget(max_pieces_per_map=2))
+        zero3_checkpoint_reader.PlanCache = lambda: default_cache(PlanBudget(max_segments=1))
         try:
             for kwargs, _, _ in MODES.values():
-                expect_rejected(engine, save_dir, "max_pieces_per_map.*ds_to_universal", **kwargs)
+                expect_rejected(engine, save_dir, "max_segments.*ds_to_universal", **kwargs)
         finally:
             zero3_checkpoint_reader.PlanCache = default_cache
 
@@ -605,3 +605,62 @@ class TestZero3ReshardSerialLoad(DistributedTest):
             engine._load_zero_checkpoint_shards = load_then_record
             engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
             assert held_at_handover == [0], (mode, held_at_handover)
+
+
+def test_reader_partitions_equal_a_direct_repartition():
+    """The reader alone, on saved files built in memory (no process group): every state of every parameter, frozen
+    ones too, at every new rank equals the parameter cut directly at the new size; the NaN padding of the saved
+    partitions is never read, and a rank opens only the saved files its partitions come from."""
+    import random
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, FROZEN_PARAM_FRAGMENTS, OPTIMIZER_STATE_DICT
+    from unit.checkpoint.affine_plan_helpers import zero3_buffers
+    rng = random.Random(0)
+    for _ in range(60):
+        saved_dp, world = rng.randint(1, 9), rng.randint(1, 9)
+        param_shapes = [{
+            f"g{group}.p{index}": (rng.choice([0, 1, rng.randint(2, 40)]), )
+            for index in range(rng.randint(1, 4))
+        } for group in range(rng.randint(1, 3))]
+        full = {name: torch.randn(shape) for shapes in param_shapes for name, shape in shapes.items()}
+        frozen = torch.randn(rng.randint(1, 30))
+        files = {}
+        for rank in range(saved_dp):
+            flats = [
+                torch.cat([zero3_buffers(full[name], saved_dp, float("nan"))[rank] for name in shapes])
+                for shapes in param_shapes
+            ]
+            state = {group: {"exp_avg": flat * 2} for group, flat in enumerate(flats)}
+            files[f"optim{rank}"] = {
+                OPTIMIZER_STATE_DICT: {
+                    FP32_FLAT_GROUPS: flats,
+                    OPTIMIZER_STATE_DICT: {
+                        "state": state
+                    }
+                }
+            }
+            files[f"model{rank}"] = {
+                FROZEN_PARAM_FRAGMENTS: {
+                    "frozen": zero3_buffers(frozen, saved_dp, float("nan"))[rank]
+                }
+            }
+        for rank in range(world):
+            opened = []
+            reader = zero3_checkpoint_reader.Zero3CheckpointReader([f"optim{saved}" for saved in range(saved_dp)],
+                                                                   [f"model{saved}" for saved in range(saved_dp)],
+                                                                   param_shapes, {"frozen": tuple(frozen.shape)},
+                                                                   lambda path: opened.append(path) or files[path])
+            for name, tensor in full.items():
+                for key, scale in (("fp32", 1), ("exp_avg", 2)):
+                    expected = zero3_buffers(tensor * scale, world, 0.0)[rank]
+                    assert torch.equal(reader.partition(name, key, rank, world, torch.float32), expected), (name, key)
+            assert torch.equal(reader.partition("frozen", "frozen", rank, world, torch.float32),
+                               zero3_buffers(frozen, world, 0.0)[rank])
+            partition = -(-frozen.numel() // world)
+            start, stop = rank * partition, min((rank + 1) * partition, frozen.numel())
+            saved_partition = -(-frozen.numel() // saved_dp)
+            needed = sorted({index // saved_partition for index in range(start, stop)})
+            assert reader.saved_ranks("frozen", rank, world) == needed
+            reader.close()
+            opened.clear()
+            reader.check([("frozen", "frozen", rank, world)])
+            assert opened == [f"model{saved}" for saved in needed]
