@@ -106,13 +106,17 @@ CELLS = {
     f"{NVME}::TestZero3NVMeResume::test_serial_load": dict(feature="serial-load"),
     f"{NVME}::TestZero3NVMeResume::test_unusable_offload_folder_refused_before_anything_changes":
         dict(checkpoint="rigid (refused)"),
+    f"{NVME}::TestZero3NVMeResume::test_loaded_without_nvme_refused_before_anything_changes":
+        dict(offload="nvme when saved", checkpoint="rigid (refused)"),
     # 0016: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
     f"{HP_LINK}::TestZero12HpLinkParamGroups::test_readable_right_after_a_load": dict(checkpoint="rigid"),
-    # 0021: ZeRO-3 rigid loads refused at another model-parallel layout or without their NVMe offload
+    # 0021: ZeRO-3 rigid loads refused at another tensor-parallel size
     LAYOUT_REFUSALS: dict(feature="resume", stage=3, checkpoint="rigid (refused)"),
     f"{LAYOUT_REFUSALS}::TestZero3TensorParallelChangeRefused": dict(precision="fp32", layout="tp2xdp1 <-> tp1xdp2"),
-    f"{LAYOUT_REFUSALS}::TestZero3SavedWithNVMeRefused": dict(precision="bf16", offload="nvme when saved"),
+    f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize": dict(precision="bf16"),
+    f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize::test_recorded_sequence_parallel_degree_loads":
+        dict(precision="bf16", checkpoint="rigid"),
     # 0022: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),

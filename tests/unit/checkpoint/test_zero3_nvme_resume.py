@@ -233,6 +233,18 @@ class TestZero3NVMeResume(DistributedTest):
                 expect_rejected(engine, save_dir, "lacks .*offloaded_tensors", refusing_rank=1, **kwargs)
         put_back()
 
+    def test_loaded_without_nvme_refused_before_anything_changes(self, tmpdir):
+        """Loaded without NVMe offload (the saved config otherwise), at the saved size: the swapped sub-group's
+        master and moments are in offloaded_tensors/, not in the shards, so every mode is refused on every rank,
+        naming NVMe offload as the way out."""
+        save_checkpoint(str(tmpdir))
+        save_dir = os.path.join(str(tmpdir), "ckpt")
+        engine = make_nvme_engine(make_config(3, "bf16", sub_group_size=SUB_GROUP_SIZE), seed=1)
+        modes = (dict(), dict(load_optimizer_states=False), dict(load_fp32_weights=False), dict(load_module_only=True))
+        for kwargs in modes:
+            expect_rejected(engine, save_dir, "without NVMe optimizer offload.*offload_optimizer.device='nvme'",
+                            **kwargs)
+
 
 @contextlib.contextmanager
 def swap_folder_unchanged(engine):

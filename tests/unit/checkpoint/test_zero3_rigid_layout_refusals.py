@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-3: a rigid checkpoint that its shards cannot serve at this run's layout is refused on every rank, alike and
-before anything changes, naming the way out: saved at another tensor-parallel size (a universal checkpoint changes
-it), or saved with NVMe optimizer offload and loaded without it (its swapped sub-groups are not in the shards).
+"""ZeRO-3: a rigid checkpoint saved at another tensor-parallel size is refused on every rank, alike and before
+anything changes, naming ds_to_universal (a universal checkpoint changes the size); one saved at this run's size
+loads, whatever checkpoint_parallel_dimensions records.
 """
 
 import os
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from unit.checkpoint.zero_resume_helpers import TAG, expect_rejected
+from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, make_config, make_engine, masters,
+                                                 moments, train_and_save)
 from unit.common import DistributedTest
-from unit.zero_tiny_models import zero3_config
 
 # every resume mode: a full resume, a fresh optimizer, rebuilt masters, the module only
 LOAD_MODES = [
@@ -28,12 +28,13 @@ LOAD_MODES = [
 
 class TestZero3TensorParallelChangeRefused(DistributedTest):
     """Saved at TP2 x DP1 and loaded at TP1 x DP2, or the reverse: every rank refuses with the same message, naming
-    ds_to_universal."""
+    ds_to_universal. Saved and loaded at TP2: the load succeeds."""
     world_size = 2
 
     # one launch saves, the next loads: a process that built a TP2 engine cannot build a TP1 one
     @pytest.mark.world_size([2, 2])
-    @pytest.mark.parametrize("saved_tp, loaded_tp", [(2, 1), (1, 2)], ids=["tp2dp1_to_tp1dp2", "tp1dp2_to_tp2dp1"])
+    @pytest.mark.parametrize("saved_tp, loaded_tp", [(2, 1), (1, 2), (2, 2)],
+                             ids=["tp2dp1_to_tp1dp2", "tp1dp2_to_tp2dp1", "tp2dp1_to_tp2dp1"])
     def test_refused_alike_on_every_rank(self, tmp_path, saved_tp, loaded_tp):
         from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, batches, make_config,
                                                              new_engine, train)
@@ -49,26 +50,49 @@ class TestZero3TensorParallelChangeRefused(DistributedTest):
             saved.save_checkpoint(save_dir, tag=TAG)
             return
         engine = tp_engine(loaded_tp, seed=1)
+        if saved_tp == loaded_tp:
+            engine.load_checkpoint(save_dir, tag=TAG)
+            return
         for kwargs in LOAD_MODES:
-            message = expect_rejected(engine, save_dir, "model-parallel layout.*ds_to_universal", **kwargs)
+            message = expect_rejected(engine, save_dir, "model-parallel size is.*ds_to_universal", **kwargs)
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, message)
             assert len(set(messages)) == 1, messages
 
 
-class TestZero3SavedWithNVMeRefused(DistributedTest):
+def rewrite_model_states(save_dir, change):
+    """Apply change(state) to every saved model-states file (rank 0 writes, every rank waits)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in os.listdir(os.path.join(save_dir, TAG)):
+            if name.endswith("_model_states.pt"):
+                path = os.path.join(save_dir, TAG, name)
+                state = torch.load(path, weights_only=False)
+                change(state)
+                torch.save(state, path)
+    dist.barrier()
+
+
+class TestZero3SavedModelParallelSize(DistributedTest):
+    """After the file count, the loaded checkpoint's mp_world_size decides, not checkpoint_parallel_dimensions: a
+    sequence-parallel mpu (Ulysses) records its sequence-parallel size there as tp_degree while the engine's
+    model-parallel size, which names the files and cuts the partitions, stays 1."""
     world_size = 2
 
-    def test_loaded_without_nvme(self, tmp_path):
-        """Saved with NVMe optimizer offload, loaded without it at the saved size: the swapped sub-groups' masters and
-        moments are not in the shards, so every mode is refused before anything changes, naming NVMe offload as the
-        way out (no crash half-way through the load)."""
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        if not AsyncIOBuilder().is_compatible():
-            pytest.skip("NVMe offload needs the async_io op")
-        from unit.checkpoint.test_zero3_nvme_resume import SUB_GROUP_SIZE, make_nvme_engine, save_checkpoint
-        save_checkpoint(str(tmp_path))
-        engine = make_nvme_engine(zero3_config("bf16", sub_group_size=SUB_GROUP_SIZE), seed=1)
+    def test_mp_world_size_refused(self, tmp_path):
+        save_dir = str(tmp_path)
+        train_and_save(make_config(), save_dir)
+        rewrite_model_states(save_dir, lambda state: state.update(mp_world_size=2))
+        engine = make_engine(make_config(), seed=1)
         for kwargs in LOAD_MODES:
-            expect_rejected(engine, os.path.join(str(tmp_path), "ckpt"),
-                            "without NVMe optimizer offload.*Load it with offload_optimizer.device='nvme'", **kwargs)
+            expect_rejected(engine, save_dir, "mp_world_size 2 and this run's model-parallel size is 1", **kwargs)
+
+    def test_recorded_sequence_parallel_degree_loads(self, tmp_path):
+        save_dir = str(tmp_path)
+        saved_masters, saved_moments = train_and_save(make_config(), save_dir)
+        rewrite_model_states(save_dir,
+                             lambda state: state.update(checkpoint_parallel_dimensions=dict(pp_degree=1, tp_degree=4)))
+        engine = make_engine(make_config(), seed=1)
+        engine.load_checkpoint(save_dir, tag=TAG)
+        assert_same(masters(engine), saved_masters)
+        assert_same(moments(engine), saved_moments)
