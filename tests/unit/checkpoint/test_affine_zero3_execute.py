@@ -150,6 +150,16 @@ def test_an_unchanged_world_size_copies_each_rank_s_own_prefix(world_size):
             assert cache.zero_partition_segments(numel, world_size, world_size, rank) == expected
 
 
+def test_copies_from_parameters_build_no_graph():
+    """Saved fp32 partitions load as tensors that require grad (they were Parameters): the target must stay a plain
+    tensor, with no graph holding the (memory-mapped) sources alive."""
+    full = torch.randn(35)
+    sources = [buffer.requires_grad_() for buffer in zero3_buffers(full, 8, POISON)]
+    target = copy_segments(PlanCache().zero_partition_segments(35, 8, 3, 1), sources.__getitem__, torch.zeros(12), 1)
+    assert torch.equal(target, full[12:24])
+    assert not target.requires_grad and target.grad_fn is None
+
+
 def test_executor_reads_only_the_ranks_it_needs():
     full = torch.randn(35)
     sources = zero3_buffers(full, 8, POISON)
