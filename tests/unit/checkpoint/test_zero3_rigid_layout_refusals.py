@@ -74,18 +74,10 @@ def rewrite_model_states(save_dir, change):
 
 
 class TestZero3SavedModelParallelSize(DistributedTest):
-    """After the file count, the loaded checkpoint's mp_world_size decides, not checkpoint_parallel_dimensions: a
+    """The model-parallel size is the count of model-states files, not checkpoint_parallel_dimensions: a
     sequence-parallel mpu (Ulysses) records its sequence-parallel size there as tp_degree while the engine's
     model-parallel size, which names the files and cuts the partitions, stays 1."""
     world_size = 2
-
-    def test_mp_world_size_refused(self, tmp_path):
-        save_dir = str(tmp_path)
-        train_and_save(make_config(), save_dir)
-        rewrite_model_states(save_dir, lambda state: state.update(mp_world_size=2))
-        engine = make_engine(make_config(), seed=1)
-        for kwargs in LOAD_MODES:
-            expect_rejected(engine, save_dir, "mp_world_size 2 and this run's model-parallel size is 1", **kwargs)
 
     def test_recorded_sequence_parallel_degree_loads(self, tmp_path):
         save_dir = str(tmp_path)
