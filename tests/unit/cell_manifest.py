@@ -20,6 +20,7 @@ ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
 LAYOUT_REFUSALS = "unit/checkpoint/test_zero3_rigid_layout_refusals.py"
+OWN_PARTITION = "unit/checkpoint/test_zero3_own_partition_load.py"
 HP_LINK = "unit/runtime/zero/test_zero12_hp_link_param_groups.py"
 LOAD_TAG = "unit/checkpoint/test_zero3_load_tag.py"
 FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
@@ -134,5 +135,7 @@ CELLS = {
         dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardSerialLoad": dict(feature="serial-load", precision="bf16"),
     f"{RESHARD}::test_reader_partitions_equal_a_direct_repartition": dict(precision="fp32", layout="dp1-9->dp1-9"),
+    # 0023: ZeRO-3 loads that restore no masters read only this rank's partition
+    OWN_PARTITION: dict(feature="resume", stage=3, precision="bf16", checkpoint="rigid"),
 }
 # yapf: enable

@@ -39,17 +39,23 @@ class TestZero3TensorParallelChangeRefused(DistributedTest):
             return new_engine(TinyMLPBlocks(), make_config(tp_size, partition_config=MLP_PARTITION_CONFIG))
 
         save_dir = str(tmp_path)
+        saved_state = os.path.join(save_dir,
+                                   f"saved_state.rank{dist.get_rank()}.pt")  # this rank's, for the next launch
         if not os.path.isdir(os.path.join(save_dir, TAG)):
             saved = tp_engine(saved_tp, seed=0)
             train(saved, batches(2))
             saved.save_checkpoint(save_dir, tag=TAG)
+            torch.save((masters(saved), moments(saved)), saved_state)
             return
         engine = tp_engine(loaded_tp, seed=1)
         if saved_tp == loaded_tp:
             engine.load_checkpoint(save_dir, tag=TAG)
+            saved_masters, saved_moments = torch.load(saved_state)
+            assert_same(masters(engine), saved_masters)
+            assert_same(moments(engine), saved_moments)
             return
         for kwargs in LOAD_MODES:
-            message = expect_rejected(engine, save_dir, "model-parallel size is.*ds_to_universal", **kwargs)
+            message = expect_rejected(engine, save_dir, "saved at model-parallel size.*ds_to_universal", **kwargs)
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, message)
             assert len(set(messages)) == 1, messages
