@@ -313,20 +313,17 @@ def main():
     log.close()
     if not all(torch.isfinite(torch.tensor(losses))):  # the same mean losses on every rank
         sys.exit(f"non-finite loss: {losses}")
-    leave_process_group()
+    leave_process_group(engine)
 
 
-def leave_process_group():
-    """Every rank waits for the others, destroys the process group, and exits at once, without finalizing the
-    interpreter.
-
-    destroy_process_group drops torch's references to the process groups, but the engine holds the gloo groups it
-    was built with, and the engine outlives main() (referenced through its module hooks; gc.collect() does not free
-    it; on 0.19.8 as here): their 7 worker threads were still running after destroy_process_group. They would be
-    freed while the interpreter is finalized: a worker thread is then ended inside a C++ destructor and the rank
-    aborts with `terminate called without an active exception` (SIGABRT; 1 run in 30 of the walkthrough's pristine
-    autocast run, after its last step). Everything this script writes is closed by now. Only on the way out of a
-    successful run: after an error the peers may be inside another collective, and this would hang."""
+def leave_process_group(engine):
+    """Every rank releases the engine (a decoupled checkpoint writer commits its last save here), waits for the
+    others, destroys the process group and leaves with os._exit(0), skipping the interpreter's finalization.
+    DeepSpeed's engine is never freed (its module hooks keep it alive) and holds its gloo groups, so their worker
+    threads outlive destroy_process_group; torn down during finalization, they can abort a rank with `terminate
+    called without an active exception` (SIGABRT). Only after a successful run, every file closed: after an error
+    the peers may be in another collective, and the barrier would hang."""
+    engine.destroy()
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
     sys.stdout.flush()
