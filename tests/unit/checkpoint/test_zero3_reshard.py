@@ -7,11 +7,7 @@
 Each rank reads its new partitions as slices of the saved shards. A checkpoint saved by `saved_world` ranks is
 loaded by `world_size` ranks in every resume mode; the gathered fp32 masters, both Adam moments, the step
 counts and every 16-bit weight must equal the saved ones bit for bit (or, where the mode rebuilds them, the
-saved weights' rounding), and one more step lands where the run that never stopped did.
-
-The data is one global batch of 12 samples, split over the ranks (12 divides by 2, 3 and 4): the same global
-batch at every size, so one step from bit-exact state differs from the uninterrupted run's only by the order in
-which the gradients of the ranks are summed (tolerances at NEXT_STEP_RTOL).
+saved weights' rounding), and one more step lands where the run that never stopped did (zero3_reshard_helpers).
 """
 
 import os
@@ -19,230 +15,15 @@ import os
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint import zero3_checkpoint_reader
 from deepspeed.checkpoint.affine_transfer import PlanBudget
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_fresh, assert_same, expect_rejected, masters, moments,
-                                                 rounding, truncate_on_rank, weights, move_aside_on_rank)
+from unit.checkpoint.zero3_reshard_helpers import (MODES, PRECISIONS, SAVED_GROUPS, build, hyperparameters_by_name,
+                                                   layouts, reference, resume_in_every_mode, saves_reference)
+from unit.checkpoint.zero_resume_helpers import (TAG, assert_fresh, assert_same, expect_rejected, masters,
+                                                 move_aside_on_rank, truncate_on_rank, weights)
 from unit.common import DistributedTest
-from unit.zero_tiny_models import TinyMLP, model_dtype, zero3_config
-
-GLOBAL_BATCH = 12
-HIDDEN = 16
-SAVED_STEPS = 3
-FROZEN = ("layers.2.", )  # a frozen layer: its pieces are saved in the model-states files, not the shards
-
-# mode -> (load_checkpoint kwargs, masters: "saved" | "rounded", optimizer state: "saved" | "fresh")
-MODES = {
-    "full": (dict(), "saved", "saved"),
-    "fresh_optimizer": (dict(load_optimizer_states=False), "saved", "fresh"),
-    "rebuilt_masters": (dict(load_fp32_weights=False), "rounded", "saved"),
-    "module_only": (dict(load_module_only=True), "rounded", "fresh"),
-}
-
-# Relative tolerance of the loss after one step from the resumed state (global_loss) against the uninterrupted
-# run's: the weights it starts from are bit-exact, the gradient is averaged over another number of ranks (another
-# summation order), and 16-bit weights round the update. Measured at 4 -> 3: 1.5e-7 (fp32), 1.2e-6 (autocast),
-# 1.8e-5 (bf16, bf16_master); a fresh optimizer's step differs by 4e-3.
-NEXT_STEP_RTOL = {"fp32": 1e-6, "autocast": 1e-5, "bf16": 2e-4, "bf16_master": 2e-4, "fp16": 2e-4}
-
-
-def reshard_config(precision, world_size, settings="defaults", warmup_lr=False, **zero_overrides):
-    config = zero3_config(precision, settings=settings, **zero_overrides)
-    config["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // world_size
-    if warmup_lr:
-        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10}}
-    return config
-
-
-class TinyMLPTiedAndScalar(TinyMLP):
-    """TinyMLP whose last layer shares the first one's weight, with a one-element parameter: every rank but the
-    first holds only padding of `gain`. (A zero-element parameter fails in ZeRO-3's all-gather on 0.19.8, in the
-    first forward: "torch.cat(): expected a non-empty list of Tensors".)"""
-
-    def __init__(self, hidden=HIDDEN):
-        super().__init__(hidden=hidden)
-        self.layers[2].weight = self.layers[0].weight
-        self.gain = torch.nn.Parameter(torch.full((1, ), 0.5))
-
-    def forward(self, x, y):
-        return super().forward(x * (1 + self.gain), y)
-
-
-MODELS = {"mlp": TinyMLP, "tied_and_scalar": TinyMLPTiedAndScalar}
-
-
-def constant_lambda_lr(optimizer):
-    """A torch scheduler (as Hugging Face's Trainer passes): per-group state (base_lrs) restored by position."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-
-
-def build(precision, world_size, seed, frozen=FROZEN, groups=None, model="mlp", lr_scheduler=None, **overrides):
-    """A TinyMLP engine. groups: [(name prefixes, hyperparameters)], one optimizer param group each, in order."""
-    if precision == "fp16":
-        # The CPU accelerator reports fp16 unsupported where oneDNN lacks fp16 kernels; the tiny model's fp16
-        # Linear/tanh/MSE and gloo's fp16 collectives still run (slowly) on the CPU.
-        get_accelerator().is_fp16_supported = lambda: True
-    torch.manual_seed(seed)
-    model = MODELS[model](hidden=HIDDEN)
-    for name, param in model.named_parameters():
-        param.requires_grad_(not name.startswith(frozen))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if groups is not None:
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        trainable = [
-            dict(params=[p for name, p in named if name.startswith(prefixes)], **hyperparameters)
-            for prefixes, hyperparameters in groups
-        ]
-    engine, _, _, _ = deepspeed.initialize(model=model,
-                                           model_parameters=trainable,
-                                           lr_scheduler=lr_scheduler,
-                                           config=reshard_config(precision, world_size, **overrides))
-    return engine
-
-
-def global_batch():
-    gen = torch.Generator().manual_seed(1234)
-    return torch.randn(GLOBAL_BATCH, HIDDEN,
-                       generator=gen), torch.tanh(torch.randn(GLOBAL_BATCH, HIDDEN, generator=gen))
-
-
-def train_step(engine, precision):
-    """One step on this rank's rows of the global batch (the same global batch every step, at every size)."""
-    x, y = global_batch()
-    rows = GLOBAL_BATCH // dist.get_world_size()
-    start, dtype = dist.get_rank() * rows, model_dtype(precision)
-    loss = engine(x[start:start + rows].to(engine.device, dtype), y[start:start + rows].to(engine.device, dtype))
-    engine.backward(loss)
-    engine.step()
-
-
-def global_loss(engine):
-    """The loss of the whole global batch under the engine's (gathered) weights, computed in fp32 the same way on
-    every rank and at every size: it compares two runs' weights without the 16-bit loss's own rounding."""
-    model = type(engine.module)(hidden=HIDDEN)
-    # not strict: a tied weight is one parameter under one name, and two keys of the module's state dict
-    model.load_state_dict({name: weight.float() for name, weight in weights(engine).items()}, strict=False)
-    with torch.no_grad():
-        return model(*global_batch()).item()
-
-
-def saved_state(engine):
-    return dict(masters=masters(engine),
-                moments=moments(engine),
-                steps=steps_by_name(engine),
-                weights=weights(engine),
-                hyperparameters=hyperparameters_by_name(engine),
-                loss_scale=loss_scale(engine),
-                lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None)
-
-
-def optimizer_groups_by_name(engine):
-    """{parameter name: (its sub-group's optimizer state, its param group)}."""
-    optimizer = engine.optimizer
-    found = {}
-    for sub_group_id, params in enumerate(optimizer.fp16_groups):
-        state = optimizer.optimizer.state.get(optimizer.fp32_partitioned_groups_flat[sub_group_id], {})
-        group = optimizer.optimizer.param_groups[optimizer.sub_group_to_group_id[sub_group_id]]
-        for param in params:
-            found[optimizer.param_names[param]] = (state, group)
-    return found
-
-
-def steps_by_name(engine):
-    """{parameter name: the step count of its sub-group} (None: fresh); the same on every rank."""
-    return {
-        name: float(state["step"]) if "step" in state else None
-        for name, (state, _) in optimizer_groups_by_name(engine).items()
-    }
-
-
-def hyperparameters_by_name(engine):
-    """{parameter name: (lr, weight_decay, betas)} of the optimizer param group that trains it."""
-    return {
-        name: (group["lr"], group["weight_decay"], tuple(group["betas"]))
-        for name, (_, group) in optimizer_groups_by_name(engine).items()
-    }
-
-
-def loss_scale(engine):
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    return getattr(scaler, "cur_scale", None)
-
-
-def saves_reference(save_dir, precision, saved_world, settings="defaults", **build_args):
-    """In the world of `saved_world` ranks (the first of the test's two): train, save TAG, then train on as if never
-    stopped, keeping the saved state and those losses in reference.pt; returns True. In the other world: False."""
-    if dist.get_world_size() != saved_world:
-        return False
-    engine = build(precision, saved_world, seed=0, settings=settings, **build_args)
-    for _ in range(SAVED_STEPS):
-        train_step(engine, precision)
-    state = saved_state(engine)
-    engine.save_checkpoint(save_dir, tag=TAG)
-    train_step(engine, precision)
-    state["next_loss"] = global_loss(engine)
-    if dist.get_rank() == 0:
-        torch.save(state, os.path.join(save_dir, "reference.pt"))
-    dist.barrier()
-    return True
-
-
-def reference(save_dir):
-    return torch.load(os.path.join(save_dir, "reference.pt"), weights_only=False)
-
-
-def check_resumed(engine, ref, expected_masters, optimizer_state, precision):
-    label = f"at {dist.get_world_size()} ranks"
-    assert_same(weights(engine), ref["weights"], f"weights {label}")
-    # a rebuild rounds the masters to the 16-bit weights (no-op where the weights are fp32 or the masters bf16)
-    rebuilt = rounding(ref["masters"], model_dtype(precision)) if precision in ("bf16", "fp16") else ref["masters"]
-    assert_same(masters(engine), ref["masters"] if expected_masters == "saved" else rebuilt, f"masters {label}")
-    if optimizer_state == "saved":
-        assert_same(moments(engine), ref["moments"], f"moments {label}")
-        assert steps_by_name(engine) == ref["steps"], (steps_by_name(engine), ref["steps"])
-        assert hyperparameters_by_name(engine) == ref["hyperparameters"], hyperparameters_by_name(engine)
-        assert loss_scale(engine) == ref["loss_scale"]
-    else:
-        assert_fresh(engine)
-    if ref["lr_scheduler"] is not None and optimizer_state == "saved":
-        assert engine.lr_scheduler.state_dict() == ref["lr_scheduler"], engine.lr_scheduler.state_dict()
-
-
-def check_next_step(engine, ref, precision, optimizer_state):
-    """One more step from the resumed state matches the uninterrupted run's (global_loss after it), within the
-    rounding of a gradient averaged over another number of ranks; from a fresh optimizer it does not (the check
-    can tell the two apart)."""
-    train_step(engine, precision)
-    loss, rtol = global_loss(engine), NEXT_STEP_RTOL[precision]
-    if optimizer_state == "saved":
-        assert loss == pytest.approx(ref["next_loss"], rel=rtol, abs=0), (loss, ref["next_loss"])
-    else:
-        assert loss != pytest.approx(ref["next_loss"], rel=10 * rtol, abs=0), (loss, ref["next_loss"])
-
-
-def resume_in_every_mode(save_dir, ref, precision, next_step_in=("full", ), **build_args):
-    """Load the checkpoint into a new engine in each mode and check what it restored, then, in the modes named, the
-    next step."""
-    for mode, (kwargs, expected_masters, optimizer_state) in MODES.items():
-        engine = build(precision, dist.get_world_size(), seed=1, **build_args)
-        engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-        check_resumed(engine, ref, expected_masters, optimizer_state, precision)
-        if mode in next_step_in:
-            check_next_step(engine, ref, precision, optimizer_state)
-
-
-# [saved by, resumed by]: the test runs in each world in turn (upstream's world_size lists)
-LAYOUTS = {"dp4->dp2": [4, 2], "dp2->dp4": [2, 4], "dp4->dp3": [4, 3], "dp3->dp2": [3, 2]}
-PRECISIONS = ["fp32", "autocast", "bf16", "bf16_master"]
-
-
-def layouts(*names):
-    """parametrize("world_size, layout", ...) for these layouts"""
-    return pytest.mark.parametrize("world_size, layout", [(LAYOUTS[name], name) for name in names],
-                                   ids=[name.replace("->", "to") for name in names])
 
 
 class TestZero3Reshard(DistributedTest):
@@ -329,68 +110,10 @@ class TestZero3ReshardSettings(DistributedTest):
         resume_in_every_mode(save_dir, ref, precision, **load_overrides)
 
 
-# The layout changes below at the saved size (one world saves, then loads) and at another ([saved by, resumed by])
-SAME_OR_OTHER_SIZE = pytest.mark.parametrize("world_size, layout", [(2, "dp2"), ([4, 2], "dp4->dp2")],
-                                             ids=["same_size", "dp4todp2"])
-
-
-def only_saves(save_dir, precision, world_size, **build_args):
-    """saves_reference for SAME_OR_OTHER_SIZE: True in a world that only saves."""
-    if isinstance(world_size, int):
-        saves_reference(save_dir, precision, saved_world=world_size, **build_args)
-        return False
-    return saves_reference(save_dir, precision, saved_world=world_size[0], **build_args)
-
-
-# The layer frozen when saved in a param group of its own: its optimizer state (and step) starts afresh.
-NEW_LAYER_APART = [(("layers.0.", "layers.1."), {}), (("layers.2.", ), {})]
-
-
-def assert_exact_where_saved(engine, ref, optimizer_state):
-    """Every parameter trainable both when saved and now has its saved master (and moments); one that was frozen
-    when saved starts from its saved weight with zero moments; every weight is the saved one."""
-    assert_same(weights(engine), ref["weights"], "weights")
-    loaded_masters, loaded_moments = masters(engine), moments(engine)
-    for name, master in loaded_masters.items():
-        saved = name in ref["masters"]
-        assert_same(master, ref["masters"][name] if saved else ref["weights"][name].float(), f"master {name}")
-        for key, value in loaded_moments[name].items():
-            if optimizer_state == "fresh":
-                assert value is None or not value.any(), f"{name}.{key} not fresh"
-            else:
-                expected = ref["moments"][name][key] if saved else torch.zeros_like(value)
-                assert_same(value, expected, f"{name}.{key}")
-    if optimizer_state == "saved":
-        loaded_steps = steps_by_name(engine)
-        expected_steps = {name: ref["steps"].get(name, 0.0) for name in loaded_masters}
-        assert {name: loaded_steps[name] for name in loaded_masters} == expected_steps, loaded_steps
-
-
-class TestZero3LayoutChange(DistributedTest):
-    """Another trainable set or sub-grouping, at the saved data-parallel size or another: every parameter that was
-    trainable when saved gets its saved master and optimizer states by name, exactly; only a parameter with nothing
-    saved starts fresh, from its saved weight."""
+class TestZero3ReshardLayouts(DistributedTest):
+    """Sub-groups and param groups at another size: the saved sub-groups are cut by the saved size, the new ones
+    by the new size, so a rank's sub-group rarely matches a saved one."""
     world_size = 2
-
-    @SAME_OR_OTHER_SIZE
-    @pytest.mark.parametrize("frozen_at_load", [(), ("layers.0.", "layers.2.")], ids=["unfreeze", "freeze_another"])
-    def test_trainable_set_change(self, tmp_path, world_size, layout, frozen_at_load):
-        save_dir, precision = str(tmp_path), "bf16"
-        if only_saves(save_dir, precision, world_size):  # layers.2 frozen
-            return
-        ref = reference(save_dir)
-        for mode in ("full", "fresh_optimizer"):
-            kwargs, _, optimizer_state = MODES[mode]
-            engine = build(precision, dist.get_world_size(), seed=1, frozen=frozen_at_load)
-            if mode == "full" and not frozen_at_load:
-                # layers.2 would share the sub-group's saved step with zero moments: refused, the way out named
-                expect_rejected(
-                    engine, save_dir, "layers.2.weight, layers.2.bias were not trainable when it was "
-                    "saved.*param group of their own.*load_optimizer_states=False")
-                engine = build(precision, dist.get_world_size(), seed=1, frozen=(), groups=NEW_LAYER_APART)
-            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
-            assert_exact_where_saved(engine, ref, optimizer_state)
-            train_step(engine, precision)
 
     @layouts("dp3->dp2")
     def test_saved_padded_in_sub_groups(self, tmp_path, world_size, layout):
@@ -402,64 +125,17 @@ class TestZero3LayoutChange(DistributedTest):
         ref = reference(save_dir)
         resume_in_every_mode(save_dir, ref, precision, next_step_in=())
 
-    def test_sub_group_size_change_at_the_saved_size(self, tmp_path):
+    @layouts("dp4->dp2")
+    def test_param_groups_in_sub_groups(self, tmp_path, world_size, layout):
+        """Saved in two param groups as one sub-group each; loaded in the same two groups cut into one sub-group
+        per parameter (sub_group_size=100): each parameter keeps its group's lr and weight_decay and its step."""
         save_dir, precision = str(tmp_path), "bf16"
-        saves_reference(save_dir, precision, saved_world=dist.get_world_size())
-        ref = reference(save_dir)
-        assert len(build(precision, dist.get_world_size(), seed=1, sub_group_size=100).optimizer.fp16_groups) > 1
-        resume_in_every_mode(save_dir, ref, precision, sub_group_size=100)
-
-
-# Saved with two param groups; loaded with the same two swapped in order, each position keeping its
-# hyperparameters: restored by position, layers.0 would train with lr 0.03 / weight_decay 0.1.
-SAVED_GROUPS = [(("layers.0.", ), dict(lr=0.01, weight_decay=0.0)), (("layers.1.", ), dict(lr=0.03, weight_decay=0.1))]
-SWAPPED_GROUPS = [(("layers.1.", ), dict(lr=0.01, weight_decay=0.0)), (("layers.0.", ), dict(lr=0.03,
-                                                                                             weight_decay=0.1))]
-MERGED_GROUPS = [(("layers.0.", "layers.1."), dict(lr=0.02, weight_decay=0.0))]
-
-
-class TestZero3ParamGroupHyperparameters(DistributedTest):
-    """A restored param group takes the hyperparameters of the group its parameters were saved in, at every size;
-    where they come from saved groups that differ, a full resume is refused on every rank."""
-    world_size = 2
-
-    @SAME_OR_OTHER_SIZE
-    def test_follow_their_parameters(self, tmp_path, world_size, layout):
-        save_dir, precision = str(tmp_path), "bf16"
-        if only_saves(save_dir, precision, world_size, groups=SAVED_GROUPS, lr_scheduler=constant_lambda_lr):
+        if saves_reference(save_dir, precision, saved_world=world_size[0], groups=SAVED_GROUPS):
             return
         ref = reference(save_dir)
-        saved = {
-            name: (group["lr"], group["weight_decay"], (0.9, 0.999))
-            for name in ref["masters"]
-            for prefixes, group in SAVED_GROUPS if name.startswith(prefixes)
-        }
-        engine = build(precision,
-                       dist.get_world_size(),
-                       seed=1,
-                       groups=SWAPPED_GROUPS,
-                       lr_scheduler=constant_lambda_lr)
-        # the scheduler's base_lrs would give each group the other's lr from its next step on
-        expect_rejected(engine, save_dir, "lr scheduler state.*base_lrs.*load_lr_scheduler_states=False")
-        engine.load_checkpoint(save_dir, tag=TAG, load_lr_scheduler_states=False)
-        restored = hyperparameters_by_name(engine)
-        assert restored == saved, (restored, saved)
-        check_resumed(engine, dict(ref, lr_scheduler=None), "saved", "saved", precision)  # its scheduler is fresh
-        check_next_step(engine, ref, precision, "saved")
-
-    @SAME_OR_OTHER_SIZE
-    def test_from_groups_that_differ_refused(self, tmp_path, world_size, layout):
-        save_dir, precision = str(tmp_path), "bf16"
-        if only_saves(save_dir, precision, world_size, groups=SAVED_GROUPS):
-            return
-        ref = reference(save_dir)
-        engine = build(precision, dist.get_world_size(), seed=1, groups=MERGED_GROUPS)
-        expect_rejected(
-            engine, save_dir, "param group 0 holds parameters saved in param groups whose "
-            "hyperparameters differ.*load_optimizer_states=False")
-        engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
-        assert set(hyperparameters_by_name(engine).values()) == {(0.02, 0.0, (0.9, 0.999))}
-        assert_same(masters(engine), ref["masters"], "masters")
+        assert {hyperparameters[:2]
+                for hyperparameters in ref["hyperparameters"].values()} == {(0.01, 0.0), (0.03, 0.1)}
+        resume_in_every_mode(save_dir, ref, precision, groups=SAVED_GROUPS, sub_group_size=100)
 
 
 def rewrite_model_states(save_dir, change):
@@ -507,6 +183,40 @@ class TestZero3ReshardRefused(DistributedTest):
                             "zero_pp_rank_1_mp_rank_00_model_states.pt is missing.*Restore the file",
                             refusing_rank=1,
                             **kwargs)
+
+    @layouts("dp4->dp2")
+    @pytest.mark.parametrize("change", ["unfreeze", "groups_swapped"])
+    def test_full_resume_after_a_parameter_layout_change(self, tmp_path, world_size, layout, change):
+        """At another size a full resume restores the saved param groups and steps by position: after a change of
+        the trainable set (layers.2, frozen when saved, trains now) or of the param groups (the saved two, swapped)
+        it is refused on every rank; a fresh-optimizer resume restores the saved masters and this run's
+        hyperparameters."""
+        save_dir, precision = str(tmp_path), "bf16"
+        saved_groups = None if change == "unfreeze" else SAVED_GROUPS
+        if saves_reference(save_dir, precision, saved_world=world_size[0], groups=saved_groups):
+            return
+        ref = reference(save_dir)
+        if change == "unfreeze":
+            now = dict(frozen=())
+            match = "layers.2.bias, layers.2.weight were trainable either when it was saved or now"
+        else:
+            now = dict(groups=list(reversed(SAVED_GROUPS)))
+            match = "this run groups its trainable parameters in other param groups"
+        engine = build(precision, dist.get_world_size(), seed=1, **now)
+        for kwargs in (MODES["full"][0], MODES["rebuilt_masters"][0]):
+            expect_rejected(engine, save_dir, match + ".*param groups it was saved with.*load_optimizer_states=False",
+                            **kwargs)
+        engine.load_checkpoint(save_dir, tag=TAG, **MODES["fresh_optimizer"][0])
+        assert_same(weights(engine), ref["weights"], "weights")
+        saved_masters = {name: ref["masters"].get(name, ref["weights"][name].float()) for name in masters(engine)}
+        assert_same(masters(engine), saved_masters, "masters")
+        assert_fresh(engine)
+        if change == "groups_swapped":  # this run's, each group's own
+            restored = {name: hyperparameters[:2] for name, hyperparameters in hyperparameters_by_name(engine).items()}
+            assert restored == {
+                name: (0.01, 0.0) if name.startswith("layers.0.") else (0.03, 0.1)
+                for name in restored
+            }
 
     @layouts("dp4->dp2")
     @pytest.mark.parametrize("change, match", [(without_param_shapes, "has no param_shapes.*saved with")],
