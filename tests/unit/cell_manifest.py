@@ -21,6 +21,8 @@ NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
 LAYOUT_REFUSALS = "unit/checkpoint/test_zero3_rigid_layout_refusals.py"
 OWN_PARTITION = "unit/checkpoint/test_zero3_own_partition_load.py"
+READER = "unit/checkpoint/test_zero3_checkpoint_reader.py"
+LAYOUT_CHANGE = "unit/checkpoint/test_zero3_layout_change.py"
 HP_LINK = "unit/runtime/zero/test_zero12_hp_link_param_groups.py"
 LOAD_TAG = "unit/checkpoint/test_zero3_load_tag.py"
 FP32_FALSE = "unit/checkpoint/test_zero3_load_from_fp32_weights.py"
@@ -118,24 +120,30 @@ CELLS = {
     f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize": dict(precision="bf16"),
     f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize::test_recorded_sequence_parallel_degree_loads":
         dict(precision="bf16", checkpoint="rigid"),
-    # 0022: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0022: the reader of a rigid ZeRO-3 checkpoint's partitions by parameter name (no process group)
+    READER: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid", layout="dp1-9->dp1-9"),
+    # 0023: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),
     f"{RESHARD}::TestZero3ReshardParameterKinds": dict(precision="bf16", settings="tied and 1-element params"),
     f"{RESHARD}::TestZero3ReshardQuantizedWeights": dict(precision="bf16", settings="zero_quantized_weights"),
-    f"{RESHARD}::TestZero3LayoutChange": dict(precision="bf16"),
-    f"{RESHARD}::TestZero3LayoutChange::test_sub_group_size_change_at_the_saved_size":
-        dict(precision="bf16", layout="sub_group_size"),
-    f"{RESHARD}::TestZero3LayoutChange::test_saved_padded_in_sub_groups":
+    f"{RESHARD}::TestZero3ReshardLayouts::test_saved_padded_in_sub_groups":
         dict(precision="bf16", settings="sub_group_size=100 (saved)"),
-    f"{RESHARD}::TestZero3ParamGroupHyperparameters": dict(precision="bf16"),
+    f"{RESHARD}::TestZero3ReshardLayouts::test_param_groups_in_sub_groups":
+        dict(precision="bf16", settings="2 param groups, sub_group_size=100 (loaded)"),
     f"{RESHARD}::TestZero3ReshardRefused": dict(precision="bf16", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardRefused::test_nvme_offload":
         dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardSerialLoad": dict(feature="serial-load", precision="bf16"),
-    f"{RESHARD}::test_reader_partitions_equal_a_direct_repartition": dict(precision="fp32", layout="dp1-9->dp1-9"),
-    # 0023: ZeRO-3 loads that restore no masters read only this rank's partition
+    # 0024: ZeRO-3 loads that restore no masters read only this rank's partition
     OWN_PARTITION: dict(feature="resume", stage=3, precision="bf16", checkpoint="rigid"),
+    # 0025: ZeRO-3 restore by name after a trainable-set, sub_group_size or param-group change (layout from the tests'
+    # `layout` argument: the saved data-parallel size, or another)
+    LAYOUT_CHANGE: dict(feature="resume", stage=3, precision="bf16", checkpoint="rigid"),
+    f"{LAYOUT_CHANGE}::TestZero3LayoutChange::test_trainable_set_change": dict(settings="trainable set changed"),
+    f"{LAYOUT_CHANGE}::TestZero3LayoutChange::test_sub_group_size_change_at_the_saved_size":
+        dict(layout="dp2", settings="sub_group_size=100 (loaded)"),
+    f"{LAYOUT_CHANGE}::TestZero3ParamGroupHyperparameters": dict(settings="param groups changed"),
 }
 # yapf: enable

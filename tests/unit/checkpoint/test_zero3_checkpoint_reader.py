@@ -71,8 +71,8 @@ def test_reader_partitions_equal_a_direct_repartition():
 
 
 def test_reader_names_what_each_parameter_was_saved_with():
-    """Shapes, trainable or frozen when saved, the saved param groups' parameters and the optimizer states saved
-    partitioned, from param_shapes and saved rank 0's optimizer state."""
+    """Shapes, trainable or frozen when saved, and the optimizer states saved partitioned, from param_shapes and
+    saved rank 0's optimizer state."""
     param_shapes = [{"a": (3, 2), "b": (5, )}, {"c": (4, )}]
     flats = [torch.zeros(6), torch.zeros(2)]  # each sub-group's partition at 2 ranks: 3 + 3, 2 elements
     optim = {
@@ -106,6 +106,5 @@ def test_reader_names_what_each_parameter_was_saved_with():
     assert reader.shape("a") == torch.Size([3, 2]) and reader.shape("frozen") == torch.Size([2, 2])
     assert reader.shape("missing") is None
     assert [reader.was_trainable(name) for name in ("a", "c", "frozen")] == [True, True, False]
-    assert reader.param_group_names() == [["c"], ["a", "b"]]
     assert reader.partitioned_state_keys("b") == ["exp_avg", "exp_avg_sq"]
     assert reader.saved_optimizer_entry("c")["step"] == 7
