@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_fresh, assert_same,
-                                                 expect_rejected, make_config, make_engine, masters,
-                                                 move_aside_on_rank, moments, remove_shards, rounding,
+                                                 check_trainable_set_change, expect_rejected, make_config, make_engine,
+                                                 masters, move_aside_on_rank, moments, remove_shards, rounding,
                                                  saves_checkpoint, shard_path, steps, to_universal, train,
                                                  train_and_save)
 from unit.common import DistributedTest
@@ -61,9 +61,13 @@ class TestZero3ResumeRejected(DistributedTest):
     world_size = 2
     exec_timeout = 200
 
+    @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
+    def test_trainable_set_change(self, tmpdir, direction):
+        check_trainable_set_change(str(tmpdir), make_config(3, "bf16"), make_engine, direction)
+
     @pytest.mark.world_size([4, 2])
     def test_dp_size_change_with_a_missing_shard(self, tmpdir):
-        """Saved by 4 ranks, loaded by 2, saved rank 3's shard gone: the rebuild would consolidate every shard, so
+        """Saved by 4 ranks, loaded by 2, saved rank 3's shard gone: rank 1 reads pieces of it in every mode, so
         every mode is refused on every rank before anything changes."""
         dp4_checkpoint = str(tmpdir)
         if saves_checkpoint(dp4_checkpoint, saved_by=4):
