@@ -124,6 +124,7 @@ CELLS = {
     READER: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid", layout="dp1-9->dp1-9"),
     # 0023: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
+    f"{RESHARD}::TestZero3Reshard::test_every_parameter_trainable": dict(precision="bf16", settings="nothing frozen"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
     f"{RESHARD}::TestZero3ReshardFp16": dict(precision="fp16"),
     f"{RESHARD}::TestZero3ReshardParameterKinds": dict(precision="bf16", settings="tied and 1-element params"),

@@ -7,6 +7,7 @@ checkpoint saved at one data-parallel size, for a rank at another."""
 
 import random
 
+import pytest
 import torch
 
 from deepspeed.checkpoint import zero3_checkpoint_reader
@@ -71,8 +72,8 @@ def test_reader_partitions_equal_a_direct_repartition():
 
 
 def test_reader_names_what_each_parameter_was_saved_with():
-    """Shapes, trainable or frozen when saved, and the optimizer states saved partitioned, from param_shapes and
-    saved rank 0's optimizer state."""
+    """Shapes, trainable or frozen when saved, the saved param group of each, and the optimizer states saved
+    partitioned, from param_shapes and saved rank 0's optimizer state."""
     param_shapes = [{"a": (3, 2), "b": (5, )}, {"c": (4, )}]
     flats = [torch.zeros(6), torch.zeros(2)]  # each sub-group's partition at 2 ranks: 3 + 3, 2 elements
     optim = {
@@ -106,5 +107,34 @@ def test_reader_names_what_each_parameter_was_saved_with():
     assert reader.shape("a") == torch.Size([3, 2]) and reader.shape("frozen") == torch.Size([2, 2])
     assert reader.shape("missing") is None
     assert [reader.was_trainable(name) for name in ("a", "c", "frozen")] == [True, True, False]
+    assert reader.trainable_names() == ["a", "b", "c"]
+    assert [reader.saved_param_group(name) for name in ("a", "b", "c")] == [1, 1, 0]
     assert reader.partitioned_state_keys("b") == ["exp_avg", "exp_avg_sq"]
     assert reader.saved_optimizer_entry("c")["step"] == 7
+
+
+def test_reader_names_a_file_short_of_its_partitions():
+    """check() reads what param_shapes promises and names the file that lacks it: a flat partition shorter than its
+    sub-group, or a frozen parameter's missing fragment."""
+    files = {
+        "optim0": {
+            OPTIMIZER_STATE_DICT: {
+                FP32_FLAT_GROUPS: [torch.zeros(3)]
+            }
+        },
+        "optim1": {
+            OPTIMIZER_STATE_DICT: {
+                FP32_FLAT_GROUPS: [torch.zeros(2)]
+            }
+        },
+        "model0": {
+            FROZEN_PARAM_FRAGMENTS: {}
+        },
+    }
+    reader = zero3_checkpoint_reader.Zero3CheckpointReader(["optim0", "optim1"], ["model0", "model1"], [{
+        "a": (6, )
+    }], {"frozen": (4, )}, files.__getitem__)
+    with pytest.raises(ValueError, match="optim1 does not hold the ZeRO-3 partition.*2 elements"):
+        reader.check([("a", "fp32", 0, 1)])
+    with pytest.raises(ValueError, match="model0 does not hold the ZeRO-3 partition.*frozen_param_fragments"):
+        reader.check([("frozen", "frozen", 0, 1)])
