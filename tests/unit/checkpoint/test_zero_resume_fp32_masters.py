@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG, assert_fresh, assert_same,
-                                                 check_trainable_set_change, expect_rejected, make_config, make_engine,
-                                                 masters, move_aside_on_rank, moments, remove_shards, rounding,
+                                                 expect_rejected, make_config, make_engine, masters,
+                                                 move_aside_on_rank, moments, remove_shards, rounding,
                                                  saves_checkpoint, shard_path, steps, to_universal, train,
                                                  train_and_save)
 from unit.common import DistributedTest
@@ -60,10 +60,6 @@ class TestZero3ResumeRejected(DistributedTest):
     """A missing or truncated shard of one rank in the usual layout: test_zero_load_refusals.py."""
     world_size = 2
     exec_timeout = 200
-
-    @pytest.mark.parametrize("direction", ["unfreeze", "freeze"])
-    def test_trainable_set_change(self, tmpdir, direction):
-        check_trainable_set_change(str(tmpdir), make_config(3, "bf16"), make_engine, direction)
 
     @pytest.mark.world_size([4, 2])
     def test_dp_size_change_with_a_missing_shard(self, tmpdir):
