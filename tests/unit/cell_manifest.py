@@ -31,6 +31,7 @@ REFUSALS = "unit/checkpoint/test_zero_load_refusals.py"
 ZERO12_BY_NAME = "unit/checkpoint/test_zero12_resume_by_name.py"
 ZERO12_FULL_BY_NAME = "unit/checkpoint/test_zero12_full_resume_by_name.py"
 UNIVERSAL_FLAGS = "unit/checkpoint/test_universal_zero12_load_flags.py"
+ZERO12_RESHARD = "unit/checkpoint/test_zero12_reshard.py"
 
 # yapf: disable
 CELLS = {
@@ -91,7 +92,6 @@ CELLS = {
         dict(checkpoint="rigid, shard missing on one rank"),
     f"{ZERO12}::TestZero12ResumeWithoutShards::test_truncated_shard_on_one_rank":
         dict(stage=1, precision="bf16", checkpoint="rigid, truncated shard on one rank"),
-    f"{ZERO12}::TestZero12ResumeDPChange": dict(precision="bf16", layout="dp4->dp2"),
     f"{ZERO12}::TestZero12ResumeAlignmentChange": dict(stage=1, precision="bf16", layout="parameter_alignment"),
     f"{ZERO12}::TestZero1LayoutBefore0317": dict(stage=1, precision="bf16", checkpoint="rigid, saved before 0.3.17"),
     # 0012: ZeRO-1/2 fresh-optimizer masters restored by name after a trainable-set or param-group change
@@ -145,5 +145,12 @@ CELLS = {
     f"{LAYOUT_CHANGE}::TestZero3LayoutChange::test_sub_group_size_change_at_the_saved_size":
         dict(layout="dp2", settings="sub_group_size=100 (loaded)"),
     f"{LAYOUT_CHANGE}::TestZero3ParamGroupHyperparameters": dict(settings="param groups changed"),
+    # 0026: ZeRO-1/2 and BF16_Optimizer resume a rigid checkpoint at another data-parallel size (stage, precision
+    # and layout from the tests' arguments)
+    ZERO12_RESHARD: dict(feature="direct-reshard", checkpoint="rigid"),
+    f"{ZERO12_RESHARD}::TestZero12Reshard::test_cpu_optimizer_offload": dict(offload="cpu"),
+    f"{ZERO12_RESHARD}::TestZero12Reshard::test_param_groups_and_a_frozen_layer":
+        dict(settings="param groups, frozen layer"),
+    f"{ZERO12_RESHARD}::TestZero12ReshardRefused": dict(stage=2, precision="bf16", checkpoint="rigid (refused)"),
 }
 # yapf: enable
