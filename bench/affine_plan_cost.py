@@ -67,7 +67,8 @@ def timed(planner, repeats, cap_s):
 
 
 def tp_rows(shape, tp):
-    return contiguous_split_map(shape, [shape[0] // tp + (1 if index < shape[0] % tp else 0) for index in range(tp)], 0)
+    return contiguous_split_map(shape, [shape[0] // tp + (1 if index < shape[0] % tp else 0) for index in range(tp)],
+                                0)
 
 
 def cases(numel):
@@ -77,14 +78,25 @@ def cases(numel):
     if hasattr(affine, 'zero_partition_of_shards'):
         of_shards = affine.zero_partition_of_shards
         shape = (4096, 4096)
-        yield ('ZeRO-3 TP2xDP8 -> TP1xDP8, 4096x4096', of_shards(tp_rows(shape, 2), 8), of_shards(tp_rows(shape, 1),
-                                                                                                   8), None)
+        yield ('ZeRO-3 TP2xDP8 -> TP1xDP8, 4096x4096', of_shards(tp_rows(shape, 2),
+                                                                 8), of_shards(tp_rows(shape, 1), 8), None)
         for tp, source, target in ((2, 8, 6), (2, 64, 48), (2, 128, 96), (8, 64, 48)):
             source_map, target_map = of_shards(tp_rows(shape, tp), source), of_shards(tp_rows(shape, tp), target)
             yield (f'ZeRO-3 TP{tp}xDP{source}->{target}, 4096x4096, flat shards', source_map, target_map, None)
             per_shard = (lambda tp=tp, source=source, target=target: affine_transfer.plan_zero3_data_parallel_reshard(
                 tp_rows(shape, tp), source, target))
             yield (f'ZeRO-3 TP{tp}xDP{source}->{target}, 4096x4096, per TP shard', source_map, target_map, per_shard)
+    if hasattr(affine_transfer, 'plan_zero3_reshard_for_rank'):
+        shape = (4096, 4096)
+        for (source_tp, source_dp), (target_tp, target_dp) in (((2, 64), (4, 48)), ((2, 512), (4, 384)), ((2, 4096),
+                                                                                                          (4, 3072))):
+            change = f'ZeRO-3 TP{source_tp}xDP{source_dp}->TP{target_tp}xDP{target_dp}, 4096x4096'
+            source_map = of_shards(tp_rows(shape, source_tp), source_dp)
+            target_map = of_shards(tp_rows(shape, target_tp), target_dp)
+            yield (f'{change}, flat shards', source_map, target_map, None)
+            one_rank = (lambda a=source_tp, b=source_dp, c=target_tp, d=target_dp: affine_transfer.
+                        plan_zero3_reshard_for_rank(tp_rows(shape, a), b, tp_rows(shape, c), d, c * d // 2 + 1))
+            yield (f'{change}, one rank', source_map, target_map, one_rank)
 
 
 def main():
@@ -110,21 +122,19 @@ def main():
         if max(pieces) <= args.raised_max_pieces:
             raised, _ = timed(lambda: pristine(target_map, source_map, RAISED), args.repeats, args.cap_seconds)
         after, plan = timed(planner or (lambda: plan_transfer(target_map, source_map)), args.repeats, args.cap_seconds)
-        segments = len(plan.segments) if plan is not None else '-'
+        segments = len(getattr(plan, 'segments', plan)) if plan is not None else '-'  # one rank's: a tuple
         print(f'| {name} | {pieces[0]} | {pieces[1]} | {segments} | {before} | {raised} | {after} |', flush=True)
 
     if hasattr(affine_transfer, 'PlanCache'):
-        # 300 parameters of one shape under one topology change, through one cache. Each parameter
-        # brings its own (equal) map objects, as a converter walking a checkpoint would.
-        pairs = [(zero_partition_map(args.numel, 64), zero_partition_map(args.numel, 48)) for _ in range(300)]
+        # 300 parameters of one size under one topology change, as one loading rank (rank 0) meets them.
         cache = affine_transfer.PlanCache()
         start = time.perf_counter()
-        for source_map, target_map in pairs:
-            cache.plan_transfer(target_map, source_map)
+        for _ in range(300):
+            cache.zero_partition_segments(args.numel, 64, 48, 0)
         cached = time.perf_counter() - start
         start = time.perf_counter()
-        for source_map, target_map in pairs:
-            plan_transfer(target_map, source_map)
+        for _ in range(300):
+            plan_transfer(zero_partition_map(args.numel, 48), zero_partition_map(args.numel, 64))
         uncached = time.perf_counter() - start
         print(f'\n300 same-shaped parameters, DP 64->48: {cached * 1e3:.1f} ms through PlanCache '
               f'(hits {cache.hits}, misses {cache.misses}), {uncached * 1e3:.1f} ms planning each')
