@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Cost of resuming a ZeRO-3 checkpoint at another data-parallel size, the fork beside pristine 0.19.8, in one run.
 
 The fork loads a rigid ZeRO-3 checkpoint saved at N ranks directly at M ranks: each rank memory-maps the saved
@@ -29,6 +31,10 @@ processes; each process records, around the step (the helpers of bench/zero3_res
 
     .venv/bin/python bench/zero3_reshard_cost.py            # ~34M params, about 2 minutes on 2 cores
     .venv/bin/python bench/zero3_reshard_cost.py --quick    # ~4M params, about a minute
+    .venv/bin/python bench/zero3_reshard_cost.py --stage 2  # the full resumes of a ZeRO-2 checkpoint instead
+
+With --stage 2 the checkpoint is ZeRO-2's (bf16, fp32 master partitions) and only the full resumes run: a
+ZeRO-2 module-only load reads the whole weights from the model-states file at any size, on both trees.
 
 pristine/ must exist (`make pristine`); the fork is whatever `import deepspeed` finds. The fork's worker keeps an
 inherited TORCH_EXTENSIONS_DIR (e.g. a worktree on PYTHONPATH reusing fork/'s op cache); 0.19.8's always uses its
@@ -63,6 +69,7 @@ SAVED_SIZES = (4, 2)
 # module from the model-states files, which hold no ZeRO-3 weights.
 MODULE_ONLY = {"load_module_only": True}
 MODULE_ONLY_NO_OPTIM = {"load_module_only": True, "load_optimizer_states": False}
+FULL_RESUMES = 2  # the first CASES, the ones --stage 2 runs
 CASES = [
     ("full resume 4 -> 2", 4, 2, {}),
     ("full resume 2 -> 4", 2, 4, {}),
@@ -109,9 +116,10 @@ def build_engine(args, seed, universal=False):
     import torch
     import deepspeed
     from unit.zero_tiny_models import TinyMLP, zero3_config
-    config = zero3_config("bf16")
+    config = zero3_config("bf16", stage=args.stage)
     config["zero_optimization"]["reduce_bucket_size"] = args.hidden * args.hidden
-    config["zero_optimization"]["stage3_prefetch_bucket_size"] = args.hidden * args.hidden
+    if args.stage == 3:
+        config["zero_optimization"]["stage3_prefetch_bucket_size"] = args.hidden * args.hidden
     if universal:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(seed)
@@ -312,6 +320,10 @@ def pristine_steps(args, case):
     return steps
 
 
+def cases(args):
+    return CASES if args.stage == 3 else CASES[:FULL_RESUMES]
+
+
 def run_worker(args):
     from unit.env import set_default_environment
     set_default_environment()  # this tree's own JIT-op cache, unless one was inherited
@@ -320,7 +332,7 @@ def run_worker(args):
     import unit.checkpoint.universal_conversion  # noqa: F401
     results = {"saved": save_checkpoints(args) if args.tree == "fork" else None}
     steps_of = fork_steps if args.tree == "fork" else pristine_steps
-    for case in CASES:
+    for case in cases(args):
         start = time.monotonic()
         results[case[0]] = steps_of(args, case)
         print(f"{args.tree} {case[0]}: {time.monotonic() - start:.1f} s", file=sys.stderr)
@@ -334,7 +346,8 @@ def run_tree(tree, args):
         env.pop("TORCH_EXTENSIONS_DIR", None)  # never the fork's op cache
         env["PYTHONPATH"] = str(ROOT / "pristine") + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
-        sys.executable, __file__, "--worker", "--tree", tree, "--ckpt-root", args.ckpt_root, "--hidden",
+        sys.executable, __file__, "--worker", "--tree", tree, "--ckpt-root", args.ckpt_root, "--stage",
+        str(args.stage), "--hidden",
         str(args.hidden), "--layers",
         str(args.layers), "--timeout",
         str(args.timeout)
@@ -402,12 +415,13 @@ def print_table(results, args):
     numel = sum(args.hidden * args.hidden + args.hidden for _ in range(args.layers))
     sizes = ", ".join(f"saved at {n} ranks: optim shards {v['optim_mb']:.0f} MB in all, model-states files "
                       f"{v['model_mb']:.1f} MB" for n, v in sorted(saved.items(), reverse=True))
-    print(f"\nZeRO-3 resume at another data-parallel size: CPU accelerator, bf16 + fp32 masters, torch Adam, TinyMLP "
-          f"hidden={args.hidden} x {args.layers} layers = {numel / 1e6:.1f}M params ({sizes}). Each step in fresh "
-          "processes; per-rank values are listed rank 0 / rank 1 / ...; wall s is the slowest rank.\n")
+    print(
+        f"\nZeRO-{args.stage} resume at another data-parallel size: CPU accelerator, bf16 + fp32 masters, torch "
+        f"Adam, TinyMLP hidden={args.hidden} x {args.layers} layers = {numel / 1e6:.1f}M params ({sizes}). Each step "
+        "in fresh processes; per-rank values are listed rank 0 / rank 1 / ...; wall s is the slowest rank.\n")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
-    for case, saved_ranks, ranks, _ in CASES:
+    for case, saved_ranks, ranks, _ in cases(args):
         share_mb = saved[saved_ranks]["optim_mb"] / ranks
         for tree in TREES:
             for step, rows in results[tree][case].items():
@@ -416,6 +430,7 @@ def print_table(results, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=3, help="ZeRO stage of the checkpoint")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="hidden 1024 x 4 layers (~4M params)")

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, contiguous_split_map, replicated_map,
-                                         sub_param_map, zero_partition_of_shards)
+from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, block_gather_map, contiguous_split_map,
+                                         replicated_map, segmented_map, sub_param_map, zero_partition_of_shards)
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget, PlanCache,
                                                   UnsupportedLayoutError, copy_segments, plan_transfer,
                                                   plan_zero3_reshard_for_rank)
@@ -139,8 +139,9 @@ def test_each_rank_reads_only_the_saved_partitions_it_needs(layout, source, targ
 
 
 def test_replicas_laid_out_differently_are_planned():
-    """zero_partition_of_shards refuses such replicas (their DP partitions do not line up); per rank they are
-    read from one holder, with that holder's own layout."""
+    """zero_partition_of_shards refuses such replicas (their DP partitions do not line up); per rank each is read
+    from one holder, with that holder's own layout: TP rank 1 of the target reads saved TP rank 1, which holds
+    the vector's halves swapped."""
     length, half = 7, 3
     pieces = {
         0: [
@@ -156,12 +157,58 @@ def test_replicas_laid_out_differently_are_planned():
     with pytest.raises(ValueError, match='lays it out differently'):
         zero_partition_of_shards(swapped_halves, 2)
     full = torch.randn(length)
-    saved = {0: full.clone(), 1: torch.cat([full[half:], full[:half]])}  # TP2 x DP1
-    for target_dp in (1, 2, 3):
-        expected = zero3_buffers(full, target_dp, 0.0)
-        for rank, want in enumerate(expected):
-            segments = plan_zero3_reshard_for_rank(swapped_halves, 1, replicated_map((length, ), 1), target_dp, rank)
-            assert torch.equal(copy_segments(segments, saved.__getitem__, torch.zeros_like(want), rank), want)
+    shards = [full, torch.cat([full[half:], full[:half]])]
+    for source_dp, target_dp in ((2, 3), (3, 2), (2, 1)):
+        saved = {
+            dp_rank * 2 + tp_rank: buffer
+            for tp_rank, shard in enumerate(shards)
+            for dp_rank, buffer in enumerate(zero3_buffers(shard, source_dp, POISON))
+        }
+        read = set()
+        for dp_rank, want in enumerate(zero3_buffers(full, target_dp, 0.0)):
+            for tp_rank in range(2):
+                rank = dp_rank * 2 + tp_rank
+                segments = plan_zero3_reshard_for_rank(swapped_halves, source_dp, replicated_map((length, ), 2),
+                                                       target_dp, rank)
+                assert {segment.source_rank % 2 for segment in segments} <= {tp_rank}
+                read |= {segment.source_rank for segment in segments}
+                assert torch.equal(copy_segments(segments, saved.__getitem__, torch.zeros_like(want), rank), want)
+        assert read == set(saved)
+
+
+def _partitions_by_extract(full, tp_map, dp_size, fill):
+    """ZeRO-3 buffers of each TP shard as the map itself defines the shard (``ParamAffineMap.extract``)."""
+    partitions = {}
+    for tp_rank in range(len(tp_map.shard_shapes)):
+        shard = tp_map.extract(full, tp_rank).reshape(-1)
+        for dp_rank, buffer in enumerate(zero3_buffers(shard, dp_size, fill)):
+            partitions[dp_rank * len(tp_map.shard_shapes) + tp_rank] = buffer
+    return partitions
+
+
+OTHER_LAYOUTS = {
+    # a fused QKV whose query rows are split and whose key/value rows every rank holds whole
+    'segmented': (lambda tp: segmented_map((12, 5), [(8, False), (4, True)], 0, tp, [_even_split(8, tp)]), (12, 5)),
+    # each rank holds non-adjacent blocks of rows
+    'block_gather': (lambda tp: block_gather_map((12, 5), {rank: list(range(rank, 4, tp))
+                                                           for rank in range(tp)}, 3, 0), (12, 5)),
+    'three_axes': (lambda tp: contiguous_split_map((4, 6, 5), _even_split(6, tp), 1), (4, 6, 5)),
+}
+
+
+@pytest.mark.parametrize('layout', sorted(OTHER_LAYOUTS))
+@pytest.mark.parametrize('source,target', [((2, 3), (1, 2)), ((1, 2), (2, 3)), ((2, 16), (1, 1)), ((1, 1), (2, 16))],
+                         ids=lambda layout: 'TP{}xDP{}'.format(*layout))
+def test_other_builders_are_exact(layout, source, target):
+    """Expected shards come from the builders' own extract here; DP 16 -> 1 cuts every copy many times."""
+    build, shape = OTHER_LAYOUTS[layout]
+    (source_tp, source_dp), (target_tp, target_dp) = source, target
+    full = torch.randn(shape)
+    source_map, target_map = build(source_tp), build(target_tp)
+    saved = _partitions_by_extract(full, source_map, source_dp, POISON)
+    for rank, want in _partitions_by_extract(full, target_map, target_dp, 0.0).items():
+        segments = plan_zero3_reshard_for_rank(source_map, source_dp, target_map, target_dp, rank)
+        assert torch.equal(copy_segments(segments, saved.__getitem__, torch.zeros_like(want), rank), want)
 
 
 def test_plans_where_the_pairwise_reference_is_refused():
@@ -200,6 +247,27 @@ def test_the_cache_plans_each_distinct_question_once():
     assert (cache.hits, cache.misses, len(cache)) == (1, 4, 4)
 
 
+def test_the_cache_tells_maps_apart_by_their_empty_shards():
+    """A TP1 map and a TP2 map whose rank 1 holds nothing have the same pieces but number the saved ranks
+    differently (dp * tp_size + tp)."""
+    whole = contiguous_split_map((4, 3), [4], 0)
+    with_empty_rank = ParamAffineMap((4, 3), {0: (4, 3), 1: (0, 3)}, {0: whole.pieces_by_rank[0], 1: []})
+    target_map = replicated_map((4, 3), 1)
+    cache = PlanCache()
+    assert {segment.source_rank for segment in cache.zero3_reshard_segments(whole, 2, target_map, 1, 0)} == {0, 1}
+    assert {segment.source_rank
+            for segment in cache.zero3_reshard_segments(with_empty_rank, 2, target_map, 1, 0)} == {0, 2}
+    assert (cache.hits, cache.misses) == (0, 2)
+
+
+def test_the_cache_refuses_a_malformed_map_as_the_planner_does():
+    piece = AffinePiece((4, ), 0, (1, ), 0, (1, ), [0])
+    no_shard_shape = ParamAffineMap((4, ), {0: (4, )}, {0: [piece], 1: [piece]})
+    for plan in (plan_zero3_reshard_for_rank, PlanCache().zero3_reshard_segments):
+        with pytest.raises(InvalidMapError):
+            plan(no_shard_shape, 1, replicated_map((4, ), 1), 1, 0)
+
+
 def test_what_cannot_be_planned_is_refused():
     shape = (12, 15)
     source_map, target_map = _tp_map(shape, 'rows', 2), _tp_map(shape, 'rows', 1)
@@ -214,5 +282,10 @@ def test_what_cannot_be_planned_is_refused():
     gap = ParamAffineMap(shape, {0: shape, 2: shape}, {0: [], 2: []})
     with pytest.raises(InvalidMapError, match='source tensor parallel ranks must be 0..1'):
         plan_zero3_reshard_for_rank(gap, 1, target_map, 2, 0)
-    with pytest.raises(AffineTransferError, match='exceeds max_segments 1'):
+    with pytest.raises(AffineTransferError, match='exceeds max_segments 1'):  # the TP maps' own plan
         plan_zero3_reshard_for_rank(_tp_map(shape, 'columns', 2), 1, target_map, 2, 0, PlanBudget(max_segments=1))
+    vector = replicated_map((12, ), 1)  # one TP copy, cut into four by the saved DP partitions
+    with pytest.raises(AffineTransferError, match=r'more than 2 segments \(max_segments\) for target rank 0'):
+        plan_zero3_reshard_for_rank(vector, 4, vector, 1, 0, PlanBudget(max_segments=2))
+    with pytest.raises(AffineTransferError, match='over max_plan_bytes 100'):
+        plan_zero3_reshard_for_rank(vector, 4, vector, 1, 0, PlanBudget(max_plan_bytes=100))
