@@ -34,7 +34,9 @@ processes; each process records, around the step (the helpers of bench/zero3_res
     .venv/bin/python bench/zero3_reshard_cost.py --stage 2  # the full resumes of a ZeRO-2 checkpoint instead
 
 With --stage 2 the checkpoint is ZeRO-2's (bf16, fp32 master partitions) and only the full resumes run: a
-ZeRO-2 module-only load reads the whole weights from the model-states file at any size, on both trees.
+ZeRO-2 module-only load reads the whole weights from the model-states file at any size, on both trees. The
+ZeRO-2 checkpoint is saved with an empty universal_checkpoint_info client state, without which 0.19.8 has no
+route at all (its converter refuses the checkpoint).
 
 pristine/ must exist (`make pristine`); the fork is whatever `import deepspeed` finds. The fork's worker keeps an
 inherited TORCH_EXTENSIONS_DIR (e.g. a worktree on PYTHONPATH reusing fork/'s op cache); 0.19.8's always uses its
@@ -177,11 +179,19 @@ def saved_dir(args, saved_ranks):
 
 
 # ---------------------------------------------------------------- one rank: save, or load one case
+def client_state(args):
+    """0.19.8's ds_to_universal refuses a ZeRO-1/2 checkpoint without universal_checkpoint_info ("Required
+    universal_checkpoint_info state is missing in checkpoint"), which only Megatron-style clients save; an empty
+    one, as upstream's own universal-checkpoint tests save, gives the converter a checkpoint it takes."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    return {UNIVERSAL_CHECKPOINT_INFO: {}} if args.stage != 3 else {}
+
+
 def save_rank(args, rank):
     import deepspeed.comm as dist
     engine = build_engine(args, seed=0)
     resume_cost.train_step(engine, args.hidden)
-    engine.save_checkpoint(args.ckpt, tag=TAG)
+    engine.save_checkpoint(args.ckpt, tag=TAG, client_state=client_state(args))
     digests = gathered_digests(engine)
     if rank == 0:
         with open(os.path.join(args.ckpt, "saved_state.json"), "w") as f:
