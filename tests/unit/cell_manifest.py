@@ -20,6 +20,7 @@ ZERO12 = "unit/checkpoint/test_zero12_resume_fp32_masters.py"
 NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
 LAYOUT_REFUSALS = "unit/checkpoint/test_zero3_rigid_layout_refusals.py"
+TP_RESHARD = "unit/checkpoint/test_zero3_tensor_parallel_reshard.py"
 OWN_PARTITION = "unit/checkpoint/test_zero3_own_partition_load.py"
 READER = "unit/checkpoint/test_zero3_checkpoint_reader.py"
 LAYOUT_CHANGE = "unit/checkpoint/test_zero3_layout_change.py"
@@ -114,9 +115,10 @@ CELLS = {
     # 0016: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
     f"{HP_LINK}::TestZero12HpLinkParamGroups::test_readable_right_after_a_load": dict(checkpoint="rigid"),
-    # 0021: ZeRO-3 rigid loads refused at another tensor-parallel size
+    # 0021: ZeRO-3 rigid loads at the saved tensor-parallel size (0030 loads them at another)
     LAYOUT_REFUSALS: dict(feature="resume", stage=3, checkpoint="rigid (refused)"),
-    f"{LAYOUT_REFUSALS}::TestZero3TensorParallelChangeRefused": dict(precision="fp32", layout="tp2xdp1 <-> tp1xdp2"),
+    f"{LAYOUT_REFUSALS}::TestZero3SavedTensorParallelSize": dict(precision="fp32", layout="tp2xdp1",
+                                                                  checkpoint="rigid"),
     f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize": dict(precision="bf16"),
     f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize::test_recorded_sequence_parallel_degree_loads":
         dict(precision="bf16", checkpoint="rigid"),
@@ -152,5 +154,14 @@ CELLS = {
     f"{ZERO12_RESHARD}::TestZero12Reshard::test_param_groups_and_a_frozen_layer":
         dict(settings="param groups, frozen layer"),
     f"{ZERO12_RESHARD}::TestZero12ReshardRefused": dict(stage=2, precision="bf16", checkpoint="rigid (refused)"),
+    # 0030: ZeRO-3 + AutoTP resume a rigid checkpoint at another tensor-parallel size (layout and settings from the
+    # tests' arguments)
+    TP_RESHARD: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid"),
+    f"{TP_RESHARD}::TestZero3TensorParallelChangeRefusals": dict(layout="tp2xdp1 -> tp1xdp2",
+                                                                 checkpoint="rigid (refused)"),
+    f"{TP_RESHARD}::TestZero3ResumeAtAnotherTensorParallelSizeFourRanks":
+        dict(settings="frozen layer, sub_group_size=100"),
+    f"{TP_RESHARD}::TestZero3TensorParallelChangeOneRankRefuses":
+        dict(layout="tp1xdp2 -> tp2xdp1", settings="frozen layer", checkpoint="rigid (refused)"),
 }
 # yapf: enable

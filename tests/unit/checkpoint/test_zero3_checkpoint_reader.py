@@ -138,3 +138,126 @@ def test_reader_names_a_file_short_of_its_partitions():
         reader.check([("a", "fp32", 0, 1)])
     with pytest.raises(ValueError, match="model0 does not hold the ZeRO-3 partition.*frozen_param_fragments"):
         reader.check([("frozen", "frozen", 0, 1)])
+
+
+def _even(numel, parts):
+    return [numel // parts + (index < numel % parts) for index in range(parts)]
+
+
+def _tp_maps(tp_size):
+    """A row-split, a column-split, a replicated and a fused (QKV-like, each sub-parameter split on columns)
+    trainable parameter, and a frozen row-split one; uneven splits where the sizes do not divide."""
+    from deepspeed.checkpoint.affine import contiguous_split_map, replicated_map, sub_param_map
+    return {
+        "rows": contiguous_split_map((7, 5), _even(7, tp_size), 0),
+        "cols": contiguous_split_map((4, 6), _even(6, tp_size), 1),
+        "norm": replicated_map((5, ), tp_size),
+        "fused": sub_param_map((3, 9), [3, 3, 3], [_even(3, tp_size)] * 3, 1),
+        "frozen": contiguous_split_map((7, 3), _even(7, tp_size), 0),
+    }
+
+
+def _sub_groups(tp):
+    """Each TP rank's sub-groups: their boundaries differ between TP ranks, as sub_group_size cuts shards of other
+    sizes otherwise."""
+    return [("rows", "cols"), ("norm", "fused")] if tp % 2 == 0 else [("rows", ), ("cols", "norm", "fused")]
+
+
+def _tp_grid_files(full, maps, saved_tp, saved_dp):
+    """The optim and model-states files of every saved (dp, tp) rank, in the order dp * saved_tp + tp, NaN-padded,
+    with each TP rank's param_shapes and frozen shapes."""
+    param_shapes = [[{
+        name: maps[name].shard_shapes[tp]
+        for name in names
+    } for names in _sub_groups(tp)] for tp in range(saved_tp)]
+    frozen_shapes = [{"frozen": maps["frozen"].shard_shapes[tp]} for tp in range(saved_tp)]
+
+    def partition(name, dp, tp):
+        return zero3_buffers(maps[name].extract(full[name], tp).reshape(-1), saved_dp, float("nan"))[dp]
+
+    files = {}
+    for dp in range(saved_dp):
+        for tp in range(saved_tp):
+            label = dp * saved_tp + tp
+            flats = [torch.cat([partition(name, dp, tp) for name in names]) for names in _sub_groups(tp)]
+            files[f"optim{label}"] = {
+                OPTIMIZER_STATE_DICT: {
+                    FP32_FLAT_GROUPS: flats,
+                    OPTIMIZER_STATE_DICT: {
+                        "state": {
+                            group: {
+                                "exp_avg": flat * 2
+                            }
+                            for group, flat in enumerate(flats)
+                        }
+                    }
+                }
+            }
+            files[f"model{label}"] = {FROZEN_PARAM_FRAGMENTS: {"frozen": partition("frozen", dp, tp)}}
+    return files, param_shapes, frozen_shapes
+
+
+@pytest.mark.parametrize("saved_tp, saved_dp, tp_size, dp_size", [(2, 1, 1, 2), (1, 2, 2, 1), (2, 2, 1, 4),
+                                                                  (2, 3, 3, 2), (3, 1, 2, 3), (2, 2, 2, 3)])
+def test_reader_partitions_at_another_tensor_parallel_size(saved_tp, saved_dp, tp_size, dp_size):
+    """Saved at TP a x DP b, read at TP c x DP d: every rank's partition of every state, frozen too, equals its TP
+    shard (cut by the running map from the whole parameter) cut into ZeRO-3 partitions; the saved NaN padding is
+    never read, and a rank opens only the saved files its partitions come from."""
+    torch.manual_seed(0)
+    saved_maps, running_maps = _tp_maps(saved_tp), _tp_maps(tp_size)
+    full = {name: torch.randn(tp_map.logical_shape) for name, tp_map in saved_maps.items()}
+    files, param_shapes, frozen_shapes = _tp_grid_files(full, saved_maps, saved_tp, saved_dp)
+    labels = range(saved_tp * saved_dp)
+    for tp_rank in range(tp_size):
+        opened = []
+        change = zero3_checkpoint_reader.TensorParallelChange(saved_maps, running_maps, tp_rank, tp_size)
+        reader = zero3_checkpoint_reader.Zero3CheckpointReader([f"optim{label}" for label in labels],
+                                                               [f"model{label}"
+                                                                for label in labels], param_shapes, frozen_shapes,
+                                                               lambda path: opened.append(path) or files[path], change)
+        assert reader.saved_dp == saved_dp and reader.saved_tp == saved_tp
+        assert set(reader.trainable_names()) == {"rows", "cols", "norm", "fused"}
+        assert not reader.was_trainable("frozen")
+        for name, tp_map in running_maps.items():
+            shard = tp_map.extract(full[name], tp_rank).reshape(-1)
+            assert reader.shape(name) == torch.Size(tp_map.shard_shapes[tp_rank])
+            keys = [("frozen", 1)] if name == "frozen" else [("fp32", 1), ("exp_avg", 2)]
+            for dp_rank in range(dp_size):
+                for key, scale in keys:
+                    expected = zero3_buffers(shard * scale, dp_size, 0.0)[dp_rank]
+                    found = reader.partition(name, key, dp_rank, dp_size, torch.float32)
+                    assert torch.equal(found, expected), (name, key, tp_rank, dp_rank)
+                reader.close()
+                opened.clear()
+                reader.check([(name, keys[0][0], dp_rank, dp_size)])
+                kind = "model" if name == "frozen" else "optim"
+                assert opened == [f"{kind}{label}" for label in reader.saved_ranks(name, dp_rank, dp_size)]
+
+
+def test_reader_at_another_tensor_parallel_size_refuses_maps_of_another_parameter():
+    """A parameter whose saved and running maps describe different whole shapes has no shape here (the engine
+    refuses the load as a missing parameter); files that are not a (dp, tp) grid, and TP ranks whose param_shapes or
+    frozen_param_shapes name different parameters, are refused outright."""
+    saved_maps, running_maps = _tp_maps(2), _tp_maps(1)
+    running_maps["rows"] = running_maps["cols"]
+    files, param_shapes, frozen_shapes = _tp_grid_files(
+        {
+            name: torch.randn(tp_map.logical_shape)
+            for name, tp_map in saved_maps.items()
+        }, saved_maps, 2, 1)
+    change = zero3_checkpoint_reader.TensorParallelChange(saved_maps, running_maps, 0, 1)
+    reader = zero3_checkpoint_reader.Zero3CheckpointReader(["optim0", "optim1"], ["model0", "model1"], param_shapes,
+                                                           frozen_shapes, files.__getitem__, change)
+    assert reader.shape("rows") is None and reader.shape("cols") == torch.Size([4, 6])
+
+    def reader_of(optim_files=("optim0", "optim1"), frozen=frozen_shapes):
+        return zero3_checkpoint_reader.Zero3CheckpointReader(list(optim_files), ["model0", "model1"], param_shapes,
+                                                             frozen, files.__getitem__, change)
+
+    with pytest.raises(ValueError, match="3 optimizer-state and 2 model-states files.*not a \\(dp, tp\\) grid"):
+        reader_of(optim_files=("optim0", "optim1", "optim2"))
+    with pytest.raises(ValueError, match="frozen_param_shapes name different parameters"):
+        reader_of(frozen=[frozen_shapes[0], {}])
+    del param_shapes[1][1]["norm"]
+    with pytest.raises(ValueError, match="tensor-parallel ranks' param_shapes name different trainable parameters"):
+        reader_of()

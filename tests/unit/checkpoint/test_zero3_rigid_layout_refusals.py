@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-3: a rigid checkpoint saved at another tensor-parallel size is refused on every rank, alike and before
-anything changes, naming ds_to_universal (a universal checkpoint changes the size); one saved at this run's size
-loads, whatever checkpoint_parallel_dimensions records.
+"""ZeRO-3: a rigid checkpoint loads at the tensor-parallel size it was saved with, whatever
+checkpoint_parallel_dimensions records. (At another tensor-parallel size it loads through the parameters' TP maps:
+test_zero3_tensor_parallel_reshard.py.)
 """
 
 import os
@@ -13,24 +13,18 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, make_config, make_engine, masters,
-                                                 moments, train_and_save)
+from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, make_config, make_engine, masters, moments,
+                                                 train_and_save)
 from unit.common import DistributedTest
 
-# every resume mode load_checkpoint has on this patch's base: a full resume, a fresh optimizer, the module only
-LOAD_MODES = [dict(), dict(load_optimizer_states=False), dict(load_module_only=True)]
 
-
-class TestZero3TensorParallelChangeRefused(DistributedTest):
-    """Saved at TP2 x DP1 and loaded at TP1 x DP2, or the reverse: every rank refuses with the same message, naming
-    ds_to_universal. Saved and loaded at TP2: the load succeeds."""
+class TestZero3SavedTensorParallelSize(DistributedTest):
+    """Saved and loaded at TP2 x DP1: the load succeeds, each rank reading its own TP rank's files."""
     world_size = 2
 
-    # one launch saves, the next loads: a process that built a TP2 engine cannot build a TP1 one
+    # one launch saves, the next loads (as the tests of a TP change do)
     @pytest.mark.world_size([2, 2])
-    @pytest.mark.parametrize("saved_tp, loaded_tp", [(2, 1), (1, 2), (2, 2)],
-                             ids=["tp2dp1_to_tp1dp2", "tp1dp2_to_tp2dp1", "tp2dp1_to_tp2dp1"])
-    def test_refused_alike_on_every_rank(self, tmp_path, saved_tp, loaded_tp):
+    def test_loads(self, tmp_path):
         from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, batches, make_config,
                                                              new_engine, train)
 
@@ -42,23 +36,16 @@ class TestZero3TensorParallelChangeRefused(DistributedTest):
         saved_state = os.path.join(save_dir,
                                    f"saved_state.rank{dist.get_rank()}.pt")  # this rank's, for the next launch
         if not os.path.isdir(os.path.join(save_dir, TAG)):
-            saved = tp_engine(saved_tp, seed=0)
+            saved = tp_engine(2, seed=0)
             train(saved, batches(2))
             saved.save_checkpoint(save_dir, tag=TAG)
             torch.save((masters(saved), moments(saved)), saved_state)
             return
-        engine = tp_engine(loaded_tp, seed=1)
-        if saved_tp == loaded_tp:
-            engine.load_checkpoint(save_dir, tag=TAG)
-            saved_masters, saved_moments = torch.load(saved_state)
-            assert_same(masters(engine), saved_masters)
-            assert_same(moments(engine), saved_moments)
-            return
-        for kwargs in LOAD_MODES:
-            message = expect_rejected(engine, save_dir, "saved at model-parallel size.*ds_to_universal", **kwargs)
-            messages = [None] * dist.get_world_size()
-            dist.all_gather_object(messages, message)
-            assert len(set(messages)) == 1, messages
+        engine = tp_engine(2, seed=1)
+        engine.load_checkpoint(save_dir, tag=TAG)
+        saved_masters, saved_moments = torch.load(saved_state)
+        assert_same(masters(engine), saved_masters)
+        assert_same(moments(engine), saved_moments)
 
 
 def rewrite_model_states(save_dir, change):
