@@ -120,19 +120,27 @@ def test_a_pattern_other_than_the_name_matches_once():
         tensor_parallel_maps(info, 2, shards("layers.0.up.weight"))
 
 
-@pytest.mark.parametrize(
-    "change, match", [
-        (lambda info: info[AFFINE_MAP].update(version=True), "format version True"),
-        (lambda info: info[AFFINE_MAP].update(version=0), "format version 0"),
-        (lambda info: info[AFFINE_MAP].update(params=[]), "not a dict with a dict of maps"),
-        (lambda info: info.update(affine_map="maps"), "not a dict with a dict of maps"),
-        (lambda info: info[AFFINE_MAP][AFFINE_MAP_PARAMS].update({"^layers\\.(": {}}), "not a regular expression"),
-        (lambda info: info.update(autotp_unsupported_parameter_patterns={"^(": "x"}), "not a regular expression"),
-        (lambda info: info[AFFINE_MAP][AFFINE_MAP_PARAMS].update({pattern("layers.0.up.weight"): []}), "malformed"),
-    ],
-    ids=["version_true", "version_0", "params_list", "map_str", "bad_regex", "bad_unsupported", "entry_list"])
+@pytest.mark.parametrize("change, match", [
+    (lambda info: info[AFFINE_MAP].update(version=True), "format version True"),
+    (lambda info: info[AFFINE_MAP].update(version=0), "format version 0"),
+    (lambda info: info[AFFINE_MAP].update(params=[]), "not a dict with a dict of maps"),
+    (lambda info: info.update(affine_map="maps"), "not a dict with a dict of maps"),
+    (lambda info: info[AFFINE_MAP][AFFINE_MAP_PARAMS].update({"^layers\\.(": {}}), "not a regular expression"),
+    (lambda info: info.update(autotp_unsupported_parameter_patterns={"^(": "x"}), "not a regular expression"),
+    (lambda info: info[AFFINE_MAP][AFFINE_MAP_PARAMS].update({pattern("layers.0.up.weight"): []}), "malformed"),
+    (lambda info: info.update(autotp_unsupported_parameter_patterns=["^x$"]), "is not a dict of reasons"),
+],
+                         ids=[
+                             "version_true", "version_0", "params_list", "map_str", "bad_regex", "bad_unsupported",
+                             "entry_list", "unsupported_list"
+                         ])
 def test_malformed_info_is_refused_as_a_map_error(change, match):
     info = published()
     change(info)
     with pytest.raises(TensorParallelMapError, match=match):
         tensor_parallel_maps(info, 2, shards("layers.0.up.weight"))
+
+
+def test_info_that_is_not_a_dict_is_refused():
+    with pytest.raises(TensorParallelMapError, match="universal_checkpoint_info is a list, not a dict"):
+        tensor_parallel_maps(["maps"], 2, shards("layers.0.up.weight"))

@@ -186,7 +186,7 @@ def assert_resumed(engine, save_dir, mode):
 
 class TestZero3ResumeAtAnotherTensorParallelSize(DistributedTest):
     """Saved at TP2 x DP1 and resumed at TP1 x DP2, or the reverse, in every load mode; after a full resume the next
-    step's loss is the uninterrupted run's (another summation order: rel 1e-5)."""
+    step's loss is the uninterrupted run's (another summation order: NEXT_STEP_RTOL)."""
     world_size = 2
 
     @pytest.mark.world_size([2, 2])
@@ -209,15 +209,15 @@ class TestZero3ResumeAtAnotherTensorParallelSize(DistributedTest):
                 assert loss == pytest.approx(next_loss, rel=NEXT_STEP_RTOL[precision])
 
 
-def rewritten_copy(save_dir, name, change=None, edit_file=None):
-    """A copy of TAG in save_dir/name (rank 0 writes, every rank waits): change(state) applied to every
-    model-states file's state, or edit_file(folder) run on the copied folder."""
+def rewritten_copy(save_dir, name, change=None, edit_file=None, only=""):
+    """A copy of TAG in save_dir/name (rank 0 writes, every rank waits): change(state) applied to the state of every
+    model-states file whose name contains `only`, or edit_file(folder) run on the copied folder."""
     copy_dir = os.path.join(save_dir, name)
     if dist.get_rank() == 0:
         shutil.copytree(os.path.join(save_dir, TAG), os.path.join(copy_dir, TAG))
         folder = os.path.join(copy_dir, TAG)
         for file_name in sorted(os.listdir(folder)):
-            if change is not None and file_name.endswith("_model_states.pt"):
+            if change is not None and file_name.endswith("_model_states.pt") and only in file_name:
                 state = torch.load(os.path.join(folder, file_name), weights_only=False)
                 change(state)
                 torch.save(state, os.path.join(folder, file_name))
@@ -264,6 +264,10 @@ def _scaled_bias(state):
         rank["pieces"][0]["scale"] = 0.5
 
 
+def _add_a_buffer(state):
+    state["module"]["extra_buffer"] = torch.ones(3)
+
+
 def _truncate_optim_states_of_tp_rank_1(folder):
     path = os.path.join(folder, "zero_pp_rank_0_mp_rank_01_optim_states.pt")
     with open(path, "r+b") as handle:
@@ -282,6 +286,13 @@ REFUSALS = {
     "map_disagrees_with_the_shards": (dict(change=_uneven_bias_map), "blocks.0.up_proj.bias gives rank 0 a shard "
                                       "of shape \\[20\\], where it holds \\[16\\].*ds_to_universal"),
     "scaled_piece": (dict(change=_scaled_bias), "Cannot plan.*ds_to_universal"),
+    # one TP rank's file only: files of different saves, or a TP-dependent buffer
+    "counters_differ": (dict(change=lambda state: state.update(global_steps=7),
+                             only="mp_rank_01"), "record different global_steps \\(7 and 2\\).*ds_to_universal"),
+    "maps_differ": (dict(change=_scaled_bias,
+                         only="mp_rank_01"), "record different universal_checkpoint_info.*ds_to_universal"),
+    "buffer_differs": (dict(change=_add_a_buffer,
+                            only="mp_rank_01"), "do not both hold module entry extra_buffer.*ds_to_universal"),
     "truncated_shard": (dict(edit_file=_truncate_optim_states_of_tp_rank_1),
                         "zero_pp_rank_0_mp_rank_01_optim_states.pt.*(truncated|corrupt)"),
 }
@@ -298,6 +309,7 @@ class TestZero3TensorParallelChangeRefusals(DistributedTest):
         if saves("mlp", save_dir, 2, "defaults"):
             return
         engine = build("mlp", 1, "defaults", seed=1)
+        run_steps("mlp", engine, 1)  # moments and steps of its own, which a refused load must leave as they are
         for case, (rewrite, match) in REFUSALS.items():
             copy_dir = rewritten_copy(save_dir, case, **rewrite)
             for kwargs, _, _ in MODES.values():
@@ -348,6 +360,7 @@ class TestZero3TensorParallelChangeOneRankRefuses(DistributedTest):
         if saves("mlp", save_dir, 1, "defaults", **layer):
             return
         engine = build("mlp", 2, "defaults", seed=1, **layer)
+        run_steps("mlp", engine, 1)  # moments and steps of its own, which a refused load must leave as they are
         copy_dir = rewritten_copy(save_dir, "truncated", edit_file=_truncate_dp_rank_1_model_states)
         for kwargs, _, _ in MODES.values():
             expect_rejected(engine,
