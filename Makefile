@@ -103,6 +103,7 @@ bench: setup pristine
 	$(VPY) bench/zero3_resume_cost.py
 	$(VPY) bench/zero3_reshard_cost.py
 	$(VPY) bench/zero3_reshard_cost.py --stage 2
+	$(VPY) bench/zero3_reshard_cost.py --tp
 
 # The validated-cells matrix from the last test run (markdown; tools/cells.py --help); UPDATE=1 writes it into
 # docs/cells.md instead of printing it.

@@ -32,11 +32,18 @@ processes; each process records, around the step (the helpers of bench/zero3_res
     .venv/bin/python bench/zero3_reshard_cost.py            # ~34M params, about 2 minutes on 2 cores
     .venv/bin/python bench/zero3_reshard_cost.py --quick    # ~4M params, about a minute
     .venv/bin/python bench/zero3_reshard_cost.py --stage 2  # the full resumes of a ZeRO-2 checkpoint instead
+    .venv/bin/python bench/zero3_reshard_cost.py --tp       # a full resume at another tensor-parallel size instead
 
 With --stage 2 the checkpoint is ZeRO-2's (bf16, fp32 master partitions) and only the full resumes run: a
 ZeRO-2 module-only load reads the whole weights from the model-states file at any size, on both trees. The
 ZeRO-2 checkpoint is saved with an empty universal_checkpoint_info client state, without which 0.19.8 has no
 route at all (its converter refuses the checkpoint).
+
+With --tp the checkpoint is an AutoTP model's (residual MLP blocks, up projections split on rows, down projections
+on columns, bf16, ZeRO-3), saved at TP2 x DP2 (4 ranks) and resumed at TP1 x DP4: the fork reads it directly
+through the parameters' TP maps, 0.19.8 converts it with ds_to_universal (TP-aware for ZeRO-3 since #8168) and loads
+the universal checkpoint. The states saved at TP2 are compared whole: each TP rank's shards, gathered over DP, are
+joined over the TP group along the dimension AutoTP split.
 
 pristine/ must exist (`make pristine`); the fork is whatever `import deepspeed` finds. The fork's worker keeps an
 inherited TORCH_EXTENSIONS_DIR (e.g. a worktree on PYTHONPATH reusing fork/'s op cache); 0.19.8's always uses its
@@ -65,7 +72,6 @@ UNIVERSAL_TAG = "ckpt_universal"
 MB = 2**20
 TREES = ("fork", "pristine")
 TREE_LABEL = {"fork": "fork", "pristine": "0.19.8"}
-SAVED_SIZES = (4, 2)
 # (case label, saved ranks, loading ranks, load_checkpoint kwargs). Module-only loads twice: 0.19.8 consolidates the
 # model from every shard only where load_optimizer_states=False; with load_module_only=True alone it takes the
 # module from the model-states files, which hold no ZeRO-3 weights.
@@ -80,6 +86,9 @@ CASES = [
     ("load_module_only=True 4 -> 2", 4, 2, MODULE_ONLY),
     ("load_module_only=True, load_optimizer_states=False 4 -> 2", 4, 2, MODULE_ONLY_NO_OPTIM),
 ]
+# --tp: saved at TP2 x DP2, resumed at TP1 x DP4 (4 ranks both)
+TP_SAVED, TP_LOADED = 2, 1
+TP_CASES = [("full resume TP2 x DP2 -> TP1 x DP4", 4, 4, {})]
 ERROR_CELL_CHARS = 300
 
 
@@ -125,7 +134,13 @@ def build_engine(args, seed, universal=False):
     if universal:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(seed)
-    model = TinyMLP(hidden=args.hidden, nlayers=args.layers)
+    if args.tp:
+        from unit.checkpoint.universal_zero3_helpers import MLP_PARTITION_CONFIG, TinyMLPBlocks
+        if args.tp_size > 1:
+            config["tensor_parallel"] = {"autotp_size": args.tp_size, "partition_config": MLP_PARTITION_CONFIG}
+        model = TinyMLPBlocks(hidden=args.hidden, inner=args.hidden, nblocks=args.layers // 2)
+    else:
+        model = TinyMLP(hidden=args.hidden, nlayers=args.layers)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -138,23 +153,48 @@ def gathered_digests(engine):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     sha = {key: hashlib.sha1() for key in ("masters", "masters_bf16", "exp_avg", "exp_avg_sq", "weights")}
     fresh = False
-    for param in engine.module.parameters():
-        master = safe_get_full_fp32_param(param)
+    whole = tensor_parallel_joiner(engine)
+    for name, param in engine.module.named_parameters():
+        master = whole(name, safe_get_full_fp32_param(param))
         sha["masters"].update(master.float().contiguous().numpy().tobytes())
         sha["masters_bf16"].update(master.to(torch.bfloat16).float().contiguous().numpy().tobytes())
         for key in ("exp_avg", "exp_avg_sq"):
             try:
-                state = safe_get_full_optimizer_state(param, key)
+                state = whole(name, safe_get_full_optimizer_state(param, key))
             except KeyError:  # no state yet
                 state = None
             fresh = fresh or state is None or not state.any()
             if state is not None:
                 sha[key].update(state.float().contiguous().numpy().tobytes())
         with deepspeed.zero.GatheredParameters([param]):
-            sha["weights"].update(param.data.float().contiguous().numpy().tobytes())
+            sha["weights"].update(whole(name, param.data).float().contiguous().numpy().tobytes())
     digests = {key: value.hexdigest() for key, value in sha.items()}
     digests["fresh_moments"] = fresh
     return digests
+
+
+def tensor_parallel_joiner(engine):
+    """whole(name, shard): the whole tensor of this rank's TP shard of a parameter (already gathered over DP), its TP
+    group's shards joined along the dimension AutoTP split (none: replicated). Collective over the TP group; the
+    identity without tensor parallelism."""
+    if engine.autotp_size() <= 1:
+        return lambda name, shard: shard
+    import torch
+    import deepspeed.comm as dist
+    from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO
+    from deepspeed.utils import groups
+    maps = getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO)[AFFINE_MAP][AFFINE_MAP_PARAMS]
+    group = groups.get_tensor_model_parallel_group()
+
+    def whole(name, shard):
+        shape = tuple(maps["^" + name.replace(".", "\\.") + "$"]["logical_shape"])
+        shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group=group))]
+        dist.all_gather(shards, shard.contiguous(), group=group)
+        if tuple(shard.shape) == shape:
+            return shard
+        return torch.cat(shards, dim=next(d for d, (a, b) in enumerate(zip(shape, shard.shape)) if a != b))
+
+    return whole
 
 
 def compare(saved, loaded):
@@ -301,10 +341,10 @@ def checkpoint_sizes(ckpt):
 def save_checkpoints(args):
     """The fork saves the checkpoint at each size once; both trees read it."""
     saved = {}
-    for saved_ranks in SAVED_SIZES:
+    for saved_ranks in sorted({saved_ranks for _, saved_ranks, _, _ in cases(args)}, reverse=True):
         ckpt = saved_dir(args, saved_ranks)
         os.makedirs(ckpt, exist_ok=True)
-        rows = run_ranks(args, saved_ranks, "save", ckpt=ckpt, universal=False, load_kwargs={})
+        rows = run_ranks(args, saved_ranks, "save", ckpt=ckpt, universal=False, load_kwargs={}, tp_size=TP_SAVED)
         if "error" in rows:
             sys.exit(f"saving at {saved_ranks} ranks failed:\n{rows['error']}")
         saved[saved_ranks] = checkpoint_sizes(ckpt)
@@ -314,23 +354,32 @@ def save_checkpoints(args):
 def fork_steps(args, case):
     _, saved_ranks, ranks, kwargs = case
     ckpt = saved_dir(args, saved_ranks)
-    return {"load": run_ranks(args, ranks, "load", ckpt=ckpt, universal=False, load_kwargs=kwargs)}
+    return {"load": run_ranks(args, ranks, "load", ckpt=ckpt, universal=False, load_kwargs=kwargs, tp_size=TP_LOADED)}
 
 
 def pristine_steps(args, case):
-    """0.19.8: a module-only load reads the rigid checkpoint; a full resume at another size converts it first."""
+    """0.19.8: a module-only load reads the rigid checkpoint; a full resume at another size (or TP size) converts it
+    first."""
     _, saved_ranks, ranks, kwargs = case
     ckpt = saved_dir(args, saved_ranks)
-    if kwargs.get("load_module_only") or saved_ranks == ranks:
+    if kwargs.get("load_module_only") or (saved_ranks == ranks and not args.tp):
         return {"load": run_ranks(args, ranks, "load", ckpt=ckpt, universal=False, load_kwargs=kwargs)}
     steps = {"ds_to_universal": run_conversion(args, ckpt)}
     if "error" not in steps["ds_to_universal"]:
-        steps["universal load"] = run_ranks(args, ranks, "load", ckpt=ckpt, universal=True, load_kwargs=kwargs)
+        steps["universal load"] = run_ranks(args,
+                                            ranks,
+                                            "load",
+                                            ckpt=ckpt,
+                                            universal=True,
+                                            load_kwargs=kwargs,
+                                            tp_size=TP_LOADED)
     shutil.rmtree(os.path.join(ckpt, UNIVERSAL_TAG), ignore_errors=True)
     return steps
 
 
 def cases(args):
+    if args.tp:
+        return TP_CASES
     return CASES if args.stage == 3 else CASES[:FULL_RESUMES]
 
 
@@ -361,7 +410,7 @@ def run_tree(tree, args):
         str(args.hidden), "--layers",
         str(args.layers), "--timeout",
         str(args.timeout)
-    ]
+    ] + (["--tp"] if args.tp else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout * 20)
     line = next((text for text in proc.stdout.splitlines() if text.startswith("RESULTS ")), None)
     if proc.returncode != 0 or line is None:
@@ -425,9 +474,12 @@ def print_table(results, args):
     numel = sum(args.hidden * args.hidden + args.hidden for _ in range(args.layers))
     sizes = ", ".join(f"saved at {n} ranks: optim shards {v['optim_mb']:.0f} MB in all, model-states files "
                       f"{v['model_mb']:.1f} MB" for n, v in sorted(saved.items(), reverse=True))
+    change, model = "data-parallel size", "TinyMLP"
+    if args.tp:
+        change, model = "tensor-parallel size", "AutoTP MLP blocks (up rows, down columns)"
     print(
-        f"\nZeRO-{args.stage} resume at another data-parallel size: CPU accelerator, bf16 + fp32 masters, torch "
-        f"Adam, TinyMLP hidden={args.hidden} x {args.layers} layers = {numel / 1e6:.1f}M params ({sizes}). Each step "
+        f"\nZeRO-{args.stage} resume at another {change}: CPU accelerator, bf16 + fp32 masters, torch "
+        f"Adam, {model} hidden={args.hidden} x {args.layers} layers = {numel / 1e6:.1f}M params ({sizes}). Each step "
         "in fresh processes; per-rank values are listed rank 0 / rank 1 / ...; wall s is the slowest rank.\n")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
@@ -444,6 +496,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="hidden 1024 x 4 layers (~4M params)")
+    parser.add_argument("--tp", action="store_true", help="ZeRO-3 AutoTP, TP2 x DP2 -> TP1 x DP4, instead")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per set of processes")
     parser.add_argument("--verbose", action="store_true", help="each tree's per-case timings on stderr")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -452,6 +505,8 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers = 1024, 4
+    if args.tp and args.stage != 3:
+        sys.exit("--tp is a ZeRO-3 checkpoint's: leave --stage at 3")
     if args.worker:
         return run_worker(args)
     if not (ROOT / "pristine" / "deepspeed").is_dir():
