@@ -22,9 +22,9 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, batches, make_config,
-                                                     new_engine, step_counts, token_batches, train, train_lm,
-                                                     tp_rank_and_size)
+from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, batches, expected_shard,
+                                                     make_config, new_engine, step_counts, token_batches, train,
+                                                     train_lm, tp_rank_and_size)
 from unit.checkpoint.zero3_reshard_helpers import MODES
 from unit.checkpoint.zero_resume_helpers import TAG, expect_rejected, steps
 from unit.common import DistributedTest
@@ -147,12 +147,6 @@ def _join(shards, whole_shape):
 
 def _split_dim(whole_shape, shard_shape):
     return next(dim for dim, (whole, shard) in enumerate(zip(whole_shape, shard_shape)) if whole != shard)
-
-
-def expected_shard(whole, shard_shape, tp_rank, tp_size):
-    if tuple(whole.shape) == tuple(shard_shape):
-        return whole
-    return whole.chunk(tp_size, dim=_split_dim(whole.shape, shard_shape))[tp_rank]
 
 
 def assert_resumed(engine, save_dir, mode):
