@@ -29,6 +29,12 @@ processes; each process records, around the step (the helpers of bench/zero3_res
 - what came back, compared with the saved state gathered over all ranks (sha1 of every parameter's full tensor):
   fp32 masters (exact, bf16-rounded, other), Adam moments (exact, fresh, other) and 16-bit weights.
 
+A second table compares each of the fork's full resumes with `dd`: the load runs again from a cold page cache
+(every file of the checkpoint dropped from it with posix_fadvise, no root needed), the pages it brought in are
+listed (mincore, read-ahead included), dropped again, and `dd` reads exactly those byte ranges in as many
+concurrent streams as the load has ranks (bench/page_cache.py). Its "load time / dd time" is the load's wall time
+(slowest rank) over dd's.
+
     .venv/bin/python bench/zero3_reshard_cost.py            # ~34M params, about 2 minutes on 2 cores
     .venv/bin/python bench/zero3_reshard_cost.py --quick    # ~4M params, about a minute
     .venv/bin/python bench/zero3_reshard_cost.py --stage 2  # the full resumes of a ZeRO-2 checkpoint instead
@@ -63,7 +69,8 @@ import time
 import traceback
 from pathlib import Path
 
-import zero3_resume_cost as resume_cost  # bench/ is on sys.path when this script runs
+import page_cache  # bench/ is on sys.path when this script runs
+import zero3_resume_cost as resume_cost
 from zero3_resume_cost import (RssSampler, collect_rows, free_port, proc_fields, reset_peak_rss, set_rank_environment)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -377,6 +384,28 @@ def pristine_steps(args, case):
     return steps
 
 
+def cold_load_beside_dd(args, case):
+    """The fork's full resume again, every file of the checkpoint dropped from the page cache first, beside `dd`
+    reading the same pages (the ones that load brought in, read-ahead included) from the same files, dropped again:
+    the load's throughput against the disk's."""
+    _, saved_ranks, ranks, kwargs = case
+    ckpt = saved_dir(args, saved_ranks)
+    files = sorted((Path(ckpt) / TAG).iterdir())
+    page_cache.drop(files)
+    rows = run_ranks(args, ranks, "load", ckpt=ckpt, universal=False, load_kwargs=kwargs, tp_size=TP_LOADED)
+    if "error" in rows:
+        return {"error": rows["error"]}
+    ranges = {path: page_cache.resident_ranges(path) for path in files}
+    page_cache.drop(files)
+    return {
+        "disk_mb": sum(length for spans in ranges.values() for _, length in spans) / MB,
+        "ranges": sum(len(spans) for spans in ranges.values()),
+        "load_s": max(row["wall_s"] for row in rows),
+        "states": sorted({row[key] for row in rows for key in ("masters", "moments", "weights")}),
+        "dd_s": page_cache.dd_seconds(ranges, streams=ranks),
+    }
+
+
 def cases(args):
     if args.tp:
         return TP_CASES
@@ -394,6 +423,8 @@ def run_worker(args):
     for case in cases(args):
         start = time.monotonic()
         results[case[0]] = steps_of(args, case)
+        if args.tree == "fork" and not case[3]:  # a full resume
+            results.setdefault("cold", {})[case[0]] = cold_load_beside_dd(args, case)
         print(f"{args.tree} {case[0]}: {time.monotonic() - start:.1f} s", file=sys.stderr)
     print("RESULTS " + json.dumps(results))
 
@@ -490,6 +521,24 @@ def print_table(results, args):
                 print("| " + " | ".join(step_row(case, tree, step, rows, share_mb)) + " |")
 
 
+def print_cold_table(cold):
+    """The fork's full resumes from a cold page cache beside dd of the same pages."""
+    print("\nThe fork's full resume from a cold page cache (the checkpoint's files dropped from it first) beside `dd` "
+          "reading the same pages of the same files (those the load brought in, read-ahead included; dropped again "
+          "first), in as many concurrent streams as ranks:\n")
+    header = ["case", "read from disk MB (all ranks)", "ranges", "load s", "load MB/s", "dd s", "dd MB/s",
+              "load time / dd time", "states"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for case, row in cold.items():
+        if "error" in row:
+            print(f"| {case} | {error_cell(row['error'])} |" + " |" * (len(header) - 2))
+            continue
+        print(f"| {case} | {row['disk_mb']:.0f} | {row['ranges']} | {row['load_s']:.2f} | "
+              f"{row['disk_mb'] / row['load_s']:.0f} | {row['dd_s']:.2f} | {row['disk_mb'] / row['dd_s']:.0f} | "
+              f"{row['load_s'] / row['dd_s']:.1f}x | {' / '.join(row['states'])} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, choices=(2, 3), default=3, help="ZeRO stage of the checkpoint")
@@ -518,6 +567,7 @@ def main():
     finally:
         shutil.rmtree(args.ckpt_root, ignore_errors=True)
     print_table(results, args)
+    print_cold_table(results["fork"]["cold"])
     print(f"\n({time.monotonic() - start:.0f} s)")
 
 

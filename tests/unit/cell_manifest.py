@@ -21,6 +21,7 @@ NVME = "unit/checkpoint/test_zero3_nvme_resume.py"
 RESHARD = "unit/checkpoint/test_zero3_reshard.py"
 LAYOUT_REFUSALS = "unit/checkpoint/test_zero3_rigid_layout_refusals.py"
 TP_RESHARD = "unit/checkpoint/test_zero3_tensor_parallel_reshard.py"
+TP_LAYOUT = "unit/checkpoint/test_zero3_tensor_parallel_layout.py"
 OWN_PARTITION = "unit/checkpoint/test_zero3_own_partition_load.py"
 READER = "unit/checkpoint/test_zero3_checkpoint_reader.py"
 LAYOUT_CHANGE = "unit/checkpoint/test_zero3_layout_change.py"
@@ -163,5 +164,8 @@ CELLS = {
         dict(settings="frozen layer, sub_group_size=100"),
     f"{TP_RESHARD}::TestZero3TensorParallelChangeOneRankRefuses":
         dict(layout="tp1xdp2 -> tp2xdp1", settings="frozen layer", checkpoint="rigid (refused)"),
+    # 0031: ZeRO-3 + AutoTP resume at the saved tensor-parallel size under another partition_config (the layout from
+    # the test's argument)
+    TP_LAYOUT: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid"),
 }
 # yapf: enable

@@ -33,8 +33,15 @@ from unit.zero_tiny_models import SETTINGS
 SAVED_STEPS = 2
 # the next step's loss after a full resume against the uninterrupted run's: the same weights, gradients summed in
 # another order over other TP and DP groups
-NEXT_STEP_RTOL = {"fp32": 1e-5, "bf16": 2e-3}
+NEXT_STEP_RTOL = {"fp32": 1e-5, "bf16": 2e-3, "bf16_master": 2e-3}
 LAYOUTS = {"tp2dp1_to_tp1dp2": (2, 1), "tp1dp2_to_tp2dp1": (1, 2)}  # saved TP size, loaded TP size
+# (model, precision, settings, offload, layout): DeepSpeed's defaults first, in both directions; then the
+# non-default settings, precisions and optimizer offload
+DEFAULT_CELLS = [("mlp", "fp32"), ("mlp", "bf16"), ("tied_llama", "fp32")]
+CELLS = [(model, precision, "defaults", "none", layout) for model, precision in DEFAULT_CELLS for layout in LAYOUTS]
+CELLS += [("mlp", "fp32", "persistence_threshold=0", "none", layout) for layout in LAYOUTS]
+CELLS += [("mlp", "bf16", "defaults", "cpu", "tp2dp1_to_tp1dp2"),
+          ("mlp", "bf16_master", "defaults", "none", "tp1dp2_to_tp2dp1")]
 
 
 def tied_llama(seed):
@@ -52,18 +59,26 @@ def tied_llama(seed):
                     tie_word_embeddings=True))
 
 
-def build(model, tp_size, settings, seed, precision="fp32", frozen=(), **zero_overrides):
-    """An AutoTP engine at TP tp_size: the tiny MLP (rows, columns, replicated biases) or the tied Llama; the
-    parameters whose names start with a `frozen` prefix do not train."""
+def build(model, tp_size, settings, seed, precision="fp32", offload="none", frozen=(), **zero_overrides):
+    """An AutoTP engine at TP tp_size: the tiny MLP (rows, columns, replicated biases) or the tied Llama, its
+    optimizer offloaded to the CPU or not; the parameters whose names start with a `frozen` prefix do not train.
+    precision: fp32 | bf16 (fp32 masters) | bf16_master (bf16 masters and optimizer states)."""
     config = make_config(tp_size, partition_config=MLP_PARTITION_CONFIG if model == "mlp" else None)
     config["zero_optimization"].update(SETTINGS[settings], **zero_overrides)
+    if offload == "cpu":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}  # fp32 masters, bf16 weights: the masters rebuilt from them round
+    elif precision == "bf16_master":
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     torch.manual_seed(seed)
     module = TinyMLPBlocks() if model == "mlp" else tied_llama(seed)
     for name, param in module.named_parameters():
         param.requires_grad_(not name.startswith(frozen))
     engine = new_engine(module, config)
+    assert engine.zero_cpu_offload() == (offload == "cpu")
+    masters = engine.optimizer.fp32_partitioned_groups_flat[0]
+    assert masters.dtype == (torch.bfloat16 if precision == "bf16_master" else torch.float32), masters.dtype
     if model == "tied_llama":
         assert engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
     return engine
@@ -105,11 +120,12 @@ def whole_shapes(engine):
     }
 
 
-def saves(model, save_dir, tp_size, settings, precision="fp32", **build_args):
-    """The first launch: train, save TAG, keep this rank's TP shards of every state and the next step's loss."""
+def saves(model, save_dir, tp_size, settings, builder=None, **build_args):
+    """The first launch: train, save TAG, keep this rank's TP shards of every state and the next step's loss. The
+    engine is build's, or builder(seed)'s."""
     if os.path.isdir(os.path.join(save_dir, TAG)):
         return False
-    engine = build(model, tp_size, settings, seed=0, precision=precision, **build_args)
+    engine = builder(0) if builder else build(model, tp_size, settings, seed=0, **build_args)
     run_steps(model, engine, SAVED_STEPS)
     engine.save_checkpoint(save_dir, tag=TAG)
     shards, steps = shard_states(engine), step_counts(engine)
@@ -163,7 +179,8 @@ def assert_resumed(engine, save_dir, mode):
         want = expected_shard(whole[name]["fp32"], entry["fp32"].shape, tp_rank, tp_size)
         if masters == "rounded":
             want = want.to(weight_dtype).float()
-        assert torch.equal(entry["fp32"], want), f"{name} fp32 after {mode} (tp rank {tp_rank})"
+        # float(): bf16 masters compare exactly with their saved (or rounded) values
+        assert torch.equal(entry["fp32"].float(), want.float()), f"{name} fp32 after {mode} (tp rank {tp_rank})"
         for key in ("exp_avg", "exp_avg_sq"):
             if whole[name][key] is None:  # frozen
                 assert entry[key] is None, f"{name} {key} after {mode}"
@@ -184,17 +201,14 @@ class TestZero3ResumeAtAnotherTensorParallelSize(DistributedTest):
     world_size = 2
 
     @pytest.mark.world_size([2, 2])
-    @pytest.mark.parametrize("layout", list(LAYOUTS))
-    @pytest.mark.parametrize("model, precision, settings", [("mlp", "fp32", "defaults"), ("mlp", "bf16", "defaults"),
-                                                            ("mlp", "fp32", "persistence_threshold=0"),
-                                                            ("tied_llama", "fp32", "defaults")])
-    def test_every_mode_is_exact(self, tmp_path, model, precision, settings, layout):
+    @pytest.mark.parametrize("model, precision, settings, offload, layout", CELLS)
+    def test_every_mode_is_exact(self, tmp_path, model, precision, settings, offload, layout):
         saved_tp, loaded_tp = LAYOUTS[layout]
         save_dir = str(tmp_path)
-        if saves(model, save_dir, saved_tp, settings, precision):
+        if saves(model, save_dir, saved_tp, settings, precision=precision, offload=offload):
             return
         for mode, (kwargs, _, _) in MODES.items():
-            engine = build(model, loaded_tp, settings, seed=1, precision=precision)
+            engine = build(model, loaded_tp, settings, seed=1, precision=precision, offload=offload)
             engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
             assert_resumed(engine, save_dir, mode)
             if mode == "full":
