@@ -164,8 +164,10 @@ CELLS = {
         dict(settings="frozen layer, sub_group_size=100"),
     f"{TP_RESHARD}::TestZero3TensorParallelChangeOneRankRefuses":
         dict(layout="tp1xdp2 -> tp2xdp1", settings="frozen layer", checkpoint="rigid (refused)"),
-    # 0031: ZeRO-3 + AutoTP resume at the saved tensor-parallel size under another partition_config (the layout from
-    # the test's argument)
-    TP_LAYOUT: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid"),
+    # 0031: AutoTP resume at the saved tensor-parallel size under another partition_config
+    TP_LAYOUT:
+        dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid", layout="tp2 -> tp2 (re-split)"),
+    f"{TP_LAYOUT}::TestZero2AnotherTensorParallelLayoutRefused": dict(stage=2, checkpoint="rigid (refused)"),
+    f"{TP_LAYOUT}::TestFirstTensorParallelMapChange": dict(layout="tp2 -> tp2 (maps only, no ranks)"),
 }
 # yapf: enable

@@ -5,7 +5,8 @@
 """Multi-rank test harness, shaped like upstream's tests/unit/common.py::DistributedTest.
 
 A test class derives from DistributedTest and sets `world_size`; each test method then runs in
-`world_size` fresh processes (spawned, one per rank) that have joined one process group: gloo on
+`world_size` fresh processes (one per rank: spawned, or on the CPU accelerator forked from a server
+that imported torch and deepspeed once, rank_context) that have joined one process group: gloo on
 the CPU accelerator, nccl on CUDA. The parent waits for every rank:
 
 - a failure on any rank fails the test with that rank's traceback (all failing ranks are shown);
@@ -133,10 +134,28 @@ def device_shortfall(accelerator, device_count, world_size, local_size):
     return None
 
 
+def rank_context():
+    """The multiprocessing context the ranks start from. Upstream spawns them, and so do we where an accelerator
+    other than the CPU may be in use (CUDA does not survive a fork) or DS_TEST_START_METHOD=spawn. On the CPU
+    accelerator the ranks are otherwise forked from a server that imported torch and deepspeed once per session: a
+    rank starts without importing them again (seconds per rank, and a suite launches ranks hundreds of times), from a
+    process that never used a device or a process group, with the parent's environment as it is at the launch
+    (_set_rank_env). What a forked rank shares with the others: the server's str hash seed (set iteration order
+    is the same on every rank, where spawned ranks and the deepspeed launcher's differ) and what was read from the
+    environment at import (e.g. TORCH_DISTRIBUTED_DEBUG); DS_TEST_START_METHOD=spawn runs the suite as upstream
+    does."""
+    if os.environ.get("DS_ACCELERATOR") != "cpu" or os.environ.get("DS_TEST_START_METHOD") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "deepspeed"])
+    return ctx
+
+
 def run_ranks(spec, timeout):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
-    spec = dict(spec, master_port=free_port())
+    import deepspeed
+    spec = dict(spec, master_port=free_port(), environ=dict(os.environ), deepspeed_file=deepspeed.__file__)
     procs = [
         ctx.Process(target=_rank_main, args=(spec, rank, results), daemon=True) for rank in range(spec["world_size"])
     ]
@@ -194,7 +213,7 @@ def _raise_for(reports, world_size, timeout):
 
 def _kill_all(procs):
     for proc in procs:
-        if proc.is_alive() and proc.pid:
+        if proc.pid:  # alive or not (a forked rank's exit is unknown if its server died): anything left of it
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the rank and anything it started
             except ProcessLookupError:
@@ -205,8 +224,10 @@ def _kill_all(procs):
 
 def _rank_main(spec, rank, results):
     os.setpgrp()
+    _die_with_parent()
     try:
         _set_rank_env(spec, rank)
+        _check_deepspeed_tree(spec)
         test = _load_test_class(spec)()
         _init_process_group(spec)
         getattr(test, spec["method_name"])(**spec["kwargs"])
@@ -222,6 +243,8 @@ def _rank_main(spec, rank, results):
 
 
 def _set_rank_env(spec, rank):
+    os.environ.clear()  # a forked rank starts with the fork server's environment: take the parent's, as a spawned one
+    os.environ.update(spec["environ"])
     local_size = spec["local_size"]
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1",
@@ -235,6 +258,24 @@ def _set_rank_env(spec, rank):
         "CROSS_SIZE": str(spec["world_size"] // local_size),
     })
     sys.path.insert(0, str(TESTS_DIR))
+
+
+def _die_with_parent():
+    """A forked rank's parent is the fork server, which exits with the pytest session: take the rank down with it."""
+    try:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):
+        pass  # not Linux: the harness's killpg still ends a rank at the test's end
+
+
+def _check_deepspeed_tree(spec):
+    """A rank runs the DeepSpeed the parent imported (the fork server imports from its own path)."""
+    import deepspeed
+    if deepspeed.__file__ != spec["deepspeed_file"]:
+        raise RuntimeError(f"this rank imported {deepspeed.__file__}, the test session {spec['deepspeed_file']}: "
+                           "set PYTHONPATH before pytest starts, or run with DS_TEST_START_METHOD=spawn")
 
 
 def _load_test_class(spec):

@@ -20,10 +20,11 @@ import torch
 
 import deepspeed
 from deepspeed.checkpoint.affine import contiguous_split_map, sub_param_map
-from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION
+from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.engine import DeepSpeedEngine
 from unit.checkpoint import test_zero3_tensor_parallel_reshard as tp_reshard
-from unit.checkpoint.test_zero3_tensor_parallel_reshard import run_steps, saved_reference, shard_states, step_counts
+from unit.checkpoint.test_zero3_tensor_parallel_reshard import (rewritten_copy, run_steps, saved_reference,
+                                                                shard_states, step_counts)
 from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, expected_shard, make_config, new_engine,
                                                      TinyMLPBlocks, tp_rank_and_size)
 from unit.checkpoint.zero3_reshard_helpers import MODES
@@ -37,16 +38,26 @@ PACKED_UP_CONFIG["layer_specs"][0].update(shape=[2, -1], partition_dim=0)
 LAYOUTS = {"plain_to_packed": ("plain", PACKED), "packed_to_plain": (PACKED, "plain")}  # saved, loaded
 
 
-def build(layout, seed):
-    """The tiny MLP at TP2 under the plain or the packed partition_config."""
-    config = make_config(TP_SIZE, partition_config=PACKED_UP_CONFIG if layout == PACKED else MLP_PARTITION_CONFIG)
+def build(layout, seed, frozen=(), stage=3):
+    """The tiny MLP at TP2 under the plain or the packed partition_config, at a ZeRO stage; the parameters whose
+    names start with a `frozen` prefix do not train."""
+    config = make_config(TP_SIZE,
+                         partition_config=PACKED_UP_CONFIG if layout == PACKED else MLP_PARTITION_CONFIG,
+                         stage=stage)
     torch.manual_seed(seed)
-    return new_engine(TinyMLPBlocks(), config)
+    module = TinyMLPBlocks()
+    for name, param in module.named_parameters():
+        param.requires_grad_(not name.startswith(frozen))
+    return new_engine(module, config)
 
 
-def saves(layout, save_dir):
+def saves(layout, save_dir, **build_args):
     """The first launch (tp_reshard.saves, under this layout's engine)."""
-    return tp_reshard.saves("mlp", save_dir, TP_SIZE, "defaults", builder=lambda seed: build(layout, seed))
+    return tp_reshard.saves("mlp",
+                            save_dir,
+                            TP_SIZE,
+                            "defaults",
+                            builder=lambda seed: build(layout, seed, **build_args))
 
 
 def _is_packed(name):
@@ -67,7 +78,8 @@ def saved_whole(save_dir, saved_layout):
         for name, entry in whole.items():
             if _is_packed(name):
                 for key, joined in entry.items():
-                    entry[key] = joined.unflatten(0, (TP_SIZE, 2, -1)).transpose(0, 1).flatten(0, 2)
+                    if joined is not None:  # None: a frozen parameter's moments
+                        entry[key] = joined.unflatten(0, (TP_SIZE, 2, -1)).transpose(0, 1).flatten(0, 2)
     return whole, saved_steps
 
 
@@ -85,11 +97,13 @@ def assert_resumed(engine, save_dir, mode, saved_layout, layout):
     _, _, optimizer = MODES[mode]
     for name, entry in shard_states(engine).items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            if key != "fp32" and optimizer != "saved":
+            if whole[name][key] is None:  # a frozen parameter's moments
+                assert entry[key] is None, f"{name} {key} after {mode}"
+            elif key != "fp32" and optimizer != "saved":
                 assert entry[key] is None or not entry[key].any(), f"{name} {key} not fresh after {mode}"
-                continue
-            want = expected(name, whole[name][key], entry[key].shape, tp_rank, layout)
-            assert torch.equal(entry[key], want), f"{name} {key} after {mode} (tp rank {tp_rank})"
+            else:
+                want = expected(name, whole[name][key], entry[key].shape, tp_rank, layout)
+                assert torch.equal(entry[key], want), f"{name} {key} after {mode} (tp rank {tp_rank})"
     if optimizer == "saved":
         assert set(step_counts(engine)) == set(saved_steps), (step_counts(engine), saved_steps)
     else:
@@ -100,16 +114,18 @@ def assert_resumed(engine, save_dir, mode, saved_layout, layout):
 def assert_weights_are_masters(engine, mode):
     """The fp32 weights the model computes with equal its masters: the partitions were refreshed from what loaded."""
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue  # a frozen one's weight is what shard_states compared
         with deepspeed.zero.GatheredParameters([param]):
             weight = param.detach().clone()
         assert torch.equal(weight, deepspeed.utils.safe_get_full_fp32_param(param)), f"{name} weight after {mode}"
 
 
-def resume_every_mode(save_dir, saved_layout, loaded_layout):
+def resume_every_mode(save_dir, saved_layout, loaded_layout, **build_args):
     """The second launch: every mode from a fresh engine, exact; then a custom_load_fn refused on every rank, on an
-    engine trained one step of its own (which the refused load must leave as it is)."""
+    engine trained one step of its own (which the refused load must leave as it is). Returns that engine."""
     for mode, (kwargs, _, _) in MODES.items():
-        engine = build(loaded_layout, seed=1)
+        engine = build(loaded_layout, seed=1, **build_args)
         engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
         assert_resumed(engine, save_dir, mode, saved_layout, loaded_layout)
     run_steps("mlp", engine, 1)
@@ -117,13 +133,16 @@ def resume_every_mode(save_dir, saved_layout, loaded_layout):
                     save_dir, "splits blocks.0.up_proj.weight otherwise.*cannot change tensor-parallel layout with a "
                     "custom_load_fn.*ds_to_universal",
                     custom_load_fn=lambda *_: None)
+    return engine
 
 
 class TestZero3ResumeAtAnotherTensorParallelLayout(DistributedTest):
     """Saved at TP2 under one partition_config, resumed at TP2 under the other, in every load mode (no next-step loss
     is compared: packing the up projection, which this model does not fuse, changes what its TP ranks compute): at DP
-    1 (2 ranks) and at DP 2 (4 ranks: each rank reads its own shard's file). A load under the saved partition_config
-    keeps the load by position (the maps route is never taken)."""
+    1 (2 ranks) and at DP 2 (4 ranks: each rank reads its own shard's file, and the re-split layer of block 0 is
+    frozen: its fragments come from the model-states files). A load under the saved partition_config keeps the load by
+    position (the maps route is never taken). Files of two saves whose maps differ (some ranks would read through
+    the maps, others by position) are refused on every rank."""
     world_size = 2
 
     @pytest.mark.world_size([2, 2])
@@ -139,10 +158,35 @@ class TestZero3ResumeAtAnotherTensorParallelLayout(DistributedTest):
 
     @pytest.mark.world_size([4, 4])
     def test_packed_to_plain_at_two_data_parallel_ranks(self, tmp_path):
+        frozen = dict(frozen=("blocks.0.up_proj.", ))
         save_dir = str(tmp_path)
-        if saves(PACKED, save_dir):
+        if saves(PACKED, save_dir, **frozen):
             return
-        resume_every_mode(save_dir, PACKED, "plain")
+        engine = resume_every_mode(save_dir, PACKED, "plain", **frozen)
+        plain_info = getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO)
+        mixed = rewritten_copy(save_dir,
+                               "mixed",
+                               change=lambda state: state.update({UNIVERSAL_CHECKPOINT_INFO: plain_info}),
+                               only="zero_pp_rank_1_")
+        expect_rejected(engine, mixed, "record different tensor-parallel maps.*files of one save")
+
+
+class TestZero2AnotherTensorParallelLayoutRefused(DistributedTest):
+    """ZeRO-2 has no route through the maps: saved at TP2 under the plain partition_config, loaded under the packed
+    one, every mode is refused on every rank before anything changes (it loaded the wrong rows by position)."""
+    world_size = 2
+
+    @pytest.mark.world_size([2, 2])
+    def test_refused_in_every_mode(self, tmp_path):
+        save_dir = str(tmp_path)
+        if saves("plain", save_dir, stage=2):
+            return
+        engine = build(PACKED, seed=1, stage=2)
+        run_steps("mlp", engine, 1)
+        for kwargs, _, _ in MODES.values():
+            expect_rejected(
+                engine, save_dir, "splits blocks.0.up_proj.weight otherwise.*cannot change tensor-parallel "
+                "layout with ZeRO stage 1 or 2.*layout it was saved with", **kwargs)
 
 
 class TestFirstTensorParallelMapChange:
