@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import deepspeed
-from deepspeed.checkpoint.affine import contiguous_split_map, sub_param_map
+from deepspeed.checkpoint.affine import AffinePiece, ParamAffineMap, contiguous_split_map, sub_param_map
 from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.engine import DeepSpeedEngine
 from unit.checkpoint import test_zero3_tensor_parallel_reshard as tp_reshard
@@ -191,7 +191,7 @@ class TestZero2AnotherTensorParallelLayoutRefused(DistributedTest):
 
 class TestFirstTensorParallelMapChange:
     """first_tensor_parallel_map_change on maps built with affine.py: a parameter split otherwise is found; the same
-    split written otherwise, or a map one side lacks or cannot read, is not a change."""
+    placement of every element written with other pieces, or a map one side lacks or cannot read, is not a change."""
 
     COLUMNS = contiguous_split_map((32, 16), [16, 16], 0).to_dict()
     PACKED = sub_param_map((32, 16), [16, 16], [[8, 8], [8, 8]], 0).to_dict()
@@ -223,3 +223,41 @@ class TestFirstTensorParallelMapChange:
         assert self.change(columns, self.info({})) is None
         assert self.change(self.info({"^up\\.weight$": {"ranks": 3}}), columns) is None
         assert self.change(self.info({"^up\\.weight$": self.PACKED}, version=99), columns) is None
+
+    @staticmethod
+    def rewritten(tp_map, rank, pieces):
+        """tp_map with ``rank``'s pieces replaced (the shard shapes kept), as a saved entry."""
+        pieces_by_rank = {**tp_map.pieces_by_rank, rank: pieces}
+        return ParamAffineMap(tp_map.logical_shape, tp_map.shard_shapes, pieces_by_rank).to_dict()
+
+    def test_a_block_written_as_two_pieces_is_not(self):
+        # rank 1's rows 16..31 as rows 16..23 and 24..31; then as its left and right column halves
+        columns = contiguous_split_map((32, 16), [16, 16], 0)
+        halves = [AffinePiece((8, 16), 256 + rows * 16, (16, 1), rows * 16, (16, 1), [1]) for rows in (8, 0)]
+        sides = [AffinePiece((16, 8), 256 + col, (16, 1), col, (16, 1), [1]) for col in (0, 8)]
+        for pieces in (halves, sides):
+            saved = self.info({"^up\\.weight$": self.COLUMNS})
+            assert self.change(saved, self.info({"^up\\.weight$": self.rewritten(columns, 1, pieces)})) is None
+
+    def test_empty_pieces_are_not(self):
+        packed = sub_param_map((32, 16), [16, 16], [[8, 8], [8, 8]], 0)
+        empty = AffinePiece((0, 16), 0, (16, 1), 0, (16, 1), [0])
+        running = self.rewritten(packed, 0, packed.pieces_by_rank[0] + [empty])
+        assert self.change(self.info({"^up\\.weight$": self.PACKED}), self.info({"^up\\.weight$": running})) is None
+
+    def test_other_elements_or_scales_are(self):
+        columns = contiguous_split_map((32, 16), [16, 16], 0)
+        swapped = [AffinePiece((8, 16), 256 + rows * 16, (16, 1), (8 - rows) * 16, (16, 1), [1]) for rows in (0, 8)]
+        scaled = [AffinePiece((16, 16), 256, (16, 1), 0, (16, 1), [1], scale=0.5)]
+        saved = self.info({"^up\\.weight$": self.COLUMNS})
+        for pieces in (swapped, scaled):
+            running = self.info({"^up\\.weight$": self.rewritten(columns, 1, pieces)})
+            assert self.change(saved, running) == "up.weight"
+
+    def test_maps_past_the_run_budget_compare_as_written(self):
+        columns = contiguous_split_map((32, 16), [16, 16], 0)
+        halves = [AffinePiece((8, 16), 256 + rows * 16, (16, 1), rows * 16, (16, 1), [1]) for rows in (0, 8)]
+        saved = self.info({"^up\\.weight$": self.COLUMNS})
+        running = self.info({"^up\\.weight$": self.rewritten(columns, 1, halves)})
+        with mock.patch("deepspeed.checkpoint.tp_layout_maps.MAX_PLACEMENT_RUNS", 1):
+            assert self.change(saved, running) == "up.weight"
