@@ -261,3 +261,21 @@ class TestFirstTensorParallelMapChange:
         running = self.info({"^up\\.weight$": self.rewritten(columns, 1, halves)})
         with mock.patch("deepspeed.checkpoint.tp_layout_maps.MAX_PLACEMENT_RUNS", 1):
             assert self.change(saved, running) == "up.weight"
+
+    def test_a_column_split_written_row_by_row_is_not(self):
+        # rank 1 holds columns 8..15 of every row: one strided piece, or one piece per row (the folded and the
+        # non-unit-stride paths of the comparison)
+        rows = contiguous_split_map((32, 16), [8, 8], 1)
+        per_row = [AffinePiece((1, 8), row * 16 + 8, (16, 1), row * 8, (8, 1), [1]) for row in range(32)]
+        saved = self.info({"^up\\.weight$": rows.to_dict()})
+        assert self.change(saved, self.info({"^up\\.weight$": self.rewritten(rows, 1, per_row)})) is None
+        shifted = per_row[1:] + [AffinePiece((1, 8), 0, (16, 1), 0, (8, 1), [1])]  # row 0 holds rank 0's columns
+        assert self.change(saved, self.info({"^up\\.weight$": self.rewritten(rows, 1, shifted)})) == "up.weight"
+
+    def test_pieces_writing_one_element_twice_compare_as_written(self):
+        # rank 1's left and right column halves both written to the shard's left half (strided pieces, which the map's
+        # own validation does not check for overlap)
+        columns = contiguous_split_map((32, 16), [16, 16], 0)
+        overlapping = [AffinePiece((16, 8), 256 + col, (16, 1), 0, (16, 1), [1]) for col in (0, 8)]
+        saved = self.info({"^up\\.weight$": self.COLUMNS})
+        assert self.change(saved, self.info({"^up\\.weight$": self.rewritten(columns, 1, overlapping)})) == "up.weight"
