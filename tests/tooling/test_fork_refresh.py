@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import patches as tool  # noqa: E402
+import patchtool.fork  # noqa: E402  (where replace_fork looks up fetch)
 
 
 def git(repo, *args):
@@ -29,10 +30,10 @@ def head(fork):
 
 
 @pytest.fixture
-def scratch(tmp_path):
-    """patches/ copied to tmp_path, a fork imported from it, git identity set."""
-    patches = tmp_path / "patches"
-    shutil.copytree(ROOT / "patches", patches)
+def scratch(tmp_path, series_copy):
+    """patches/ (its first patches: conftest.short_series) copied to tmp_path, a fork imported from it, git
+    identity set."""
+    patches = series_copy(tmp_path / "patches")
     return import_fork(tmp_path / "fork", patches), patches
 
 
@@ -63,9 +64,8 @@ def backups(fork):
     return sorted(fork.parent.glob(f"{fork.name}.bak-*"))
 
 
-def test_behind_the_series_is_reimported_and_the_old_tree_kept(tmp_path):
-    patches = tmp_path / "patches"
-    shutil.copytree(ROOT / "patches", patches)
+def test_behind_the_series_is_reimported_and_the_old_tree_kept(tmp_path, series_copy):
+    patches = series_copy(tmp_path / "patches")
     fork = import_fork(tmp_path / "fork", patches, drop_last=1)
     assert any(p.startswith(tool.BEHIND) for p in tool.unexported(fork, patches))
     assert tool.materialize(fork, patches) is True
@@ -121,16 +121,15 @@ def test_work_git_log_does_not_show_counts_as_local(scratch, capsys, kind):
         tool.materialize(fork, patches)
 
 
-def test_a_failed_fetch_leaves_fork_in_place(tmp_path, monkeypatch):
-    patches = tmp_path / "patches"
-    shutil.copytree(ROOT / "patches", patches)
+def test_a_failed_fetch_leaves_fork_in_place(tmp_path, series_copy, monkeypatch):
+    patches = series_copy(tmp_path / "patches")
     fork = import_fork(tmp_path / "fork", patches, drop_last=1)
     before = head(fork)
 
     def offline():
         raise tool.PatchError("offline")
 
-    monkeypatch.setattr(tool, "fetch", offline)
+    monkeypatch.setattr(patchtool.fork, "fetch", offline)
     with pytest.raises(tool.PatchError, match="offline"):
         tool.materialize(fork, patches)
     assert head(fork) == before and not backups(fork)

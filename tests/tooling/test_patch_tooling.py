@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "patches.py"
 
 
-def run_tool(*args):
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
+def run_tool(*args, tool=TOOL):
+    return subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True)
 
 
 def git(repo, *args):
@@ -25,29 +25,39 @@ def git(repo, *args):
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    """A fork imported from a copy of patches/, so edits here never touch the real tree (nor depend on it)."""
+def scratch_tool(tmp_path_factory):
+    """tools/patches.py copied into a scratch repository with the pin, the style file and the sdist cache. Its
+    `check` style-checks that repository's tests/, which holds none: each scratch check does not restyle ours
+    again (test_series_applies_and_fork_is_in_sync checks them)."""
+    root = tmp_path_factory.mktemp("repo")
+    (root / "tools").mkdir()
+    shutil.copy2(TOOL, root / "tools" / TOOL.name)
+    shutil.copytree(ROOT / "tools" / "patchtool",
+                    root / "tools" / "patchtool",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("upstream.toml", ".style.yapf"):
+        shutil.copy2(ROOT / name, root / name)
+    (root / ".cache").symlink_to(ROOT / ".cache", target_is_directory=True)
+    git(root, "init", "--quiet")
+    return root / "tools" / TOOL.name
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory, scratch_tool, series_copy):
+    """A fork imported from a copy of patches/, so edits here never touch the real tree (nor depend on it). Its
+    series is the first patch alone (conftest.short_series): every check restyles each file the series changes, and
+    the tests below add the patches they need."""
     base = tmp_path_factory.mktemp("tooling")
-    return imported(base)
-
-
-def imported(base, drop_last=0):
-    """A scratch copy of patches/ and a fork imported from it (without its last drop_last patches)."""
-    fork, patches = base / "fork", base / "patches"
-    shutil.copytree(ROOT / "patches", patches)
-    series = (patches / "series").read_text()
-    if drop_last:
-        (patches / "series").write_text("".join(series.splitlines(keepends=True)[:-drop_last]))
-    result = run_tool("--fork", str(fork), "--patches", str(patches), "import")
+    fork, patches = base / "fork", series_copy(base / "patches", count=1)
+    result = run_tool("--fork", str(fork), "--patches", str(patches), "import", tool=scratch_tool)
     assert result.returncode == 0, result.stderr
-    (patches / "series").write_text(series)
     for var, value in (("user.name", "test"), ("user.email", "test@localhost")):
         git(fork, "config", var, value)
     return fork, patches
 
 
-def check(fork, patches):
-    return run_tool("--fork", str(fork), "--patches", str(patches), "check")
+def check(fork, patches, tool):
+    return run_tool("--fork", str(fork), "--patches", str(patches), "check", tool=tool)
 
 
 def test_series_applies_and_fork_is_in_sync():
@@ -56,39 +66,39 @@ def test_series_applies_and_fork_is_in_sync():
     assert "patch check ok" in result.stdout
 
 
-def test_check_catches_unexported_work_until_exported(scratch):
+def test_check_catches_unexported_work_until_exported(scratch, scratch_tool):
     fork, patches = scratch
-    assert check(fork, patches).returncode == 0
+    assert check(fork, patches, scratch_tool).returncode == 0
 
     target = fork / "deepspeed" / "runtime" / "zero" / "stage3.py"
     target.write_text(target.read_text() + "\n\n# an edit nobody exported\n")  # as yapf leaves it (make check)
-    result = check(fork, patches)
+    result = check(fork, patches, scratch_tool)
     assert result.returncode != 0
     assert "uncommitted: deepspeed/runtime/zero/stage3.py" in result.stderr
 
     # import refuses to discard the edit
-    refused = run_tool("--fork", str(fork), "--patches", str(patches), "import")
+    refused = run_tool("--fork", str(fork), "--patches", str(patches), "import", tool=scratch_tool)
     assert refused.returncode != 0 and "unexported work" in refused.stderr
 
     git(fork, "commit", "--quiet", "-am", "ZeRO-3: an unexported change\n\nDepends on: none.")
-    result = check(fork, patches)
+    result = check(fork, patches, scratch_tool)
     assert result.returncode != 0
     assert "unexported commit:" in result.stderr and "ZeRO-3: an unexported change" in result.stderr
 
-    exported = run_tool("--fork", str(fork), "--patches", str(patches), "export")
+    exported = run_tool("--fork", str(fork), "--patches", str(patches), "export", tool=scratch_tool)
     assert exported.returncode == 0, exported.stderr
-    assert check(fork, patches).returncode == 0
+    assert check(fork, patches, scratch_tool).returncode == 0
     series = (patches / "series").read_text().split()
     assert series[-1].endswith("zero-3-an-unexported-change.patch")
 
     # re-exporting an unchanged tree changes no file
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir() if p.is_file()}
-    assert run_tool("--fork", str(fork), "--patches", str(patches), "export").returncode == 0
+    assert run_tool("--fork", str(fork), "--patches", str(patches), "export", tool=scratch_tool).returncode == 0
     after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in patches.iterdir() if p.is_file()}
     assert after == before
 
 
-def test_check_fails_when_a_patch_does_not_apply(scratch, tmp_path):
+def test_check_fails_when_a_patch_does_not_apply(scratch, scratch_tool, tmp_path):
     _, patches = scratch
     broken = tmp_path / "patches"
     shutil.copytree(patches, broken)
@@ -97,14 +107,14 @@ def test_check_fails_when_a_patch_does_not_apply(scratch, tmp_path):
         f.write("9999-broken.patch\n")
     (broken / "upstream-docs").mkdir(exist_ok=True)
     (broken / "upstream-docs" / "0999.diff").write_text("")  # left behind by a renumbering
-    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(broken), "check")
+    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(broken), "check", tool=scratch_tool)
     assert result.returncode != 0
     assert "9999-broken.patch does not apply" in result.stderr
     assert "9999-broken.patch: its message has no `Depends on:` line" in result.stderr
     assert "upstream-docs/0999.diff: patch 0999 is not in the series" in result.stderr
 
 
-def test_check_names_a_dependency_a_patch_does_not_declare(scratch, tmp_path):
+def test_check_names_a_dependency_a_patch_does_not_declare(scratch, scratch_tool, tmp_path):
     """A patch made on the first patch of the series, whose `Depends on` says none: the check applies it to
     pristine upstream alone, where it fails, and names the patch and the one it needs."""
     fork, patches = scratch
@@ -125,7 +135,7 @@ def test_check_names_a_dependency_a_patch_does_not_declare(scratch, tmp_path):
         git(made, "format-patch", "--stdout", "-1", "--zero-commit", "--full-index", "HEAD"))
     with open(series / "series", "a") as f:
         f.write("9999-needs-the-first-patch.patch\n")
-    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(series), "check")
+    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(series), "check", tool=scratch_tool)
     assert result.returncode != 0
     assert ("9999-needs-the-first-patch.patch does not apply to pristine 0.19.8 (what its `Depends on` line needs): "
             f"it needs {first[:4]} (") in result.stderr, result.stderr
@@ -133,7 +143,7 @@ def test_check_names_a_dependency_a_patch_does_not_declare(scratch, tmp_path):
     # named, it passes that check (the series' own lines pass it too)
     patch = series / "9999-needs-the-first-patch.patch"
     patch.write_text(patch.read_text().replace("Depends on: none.", f"Depends on: {first[:4]}."))
-    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(series), "check")
+    result = run_tool("--fork", str(tmp_path / "no-fork"), "--patches", str(series), "check", tool=scratch_tool)
     assert "9999-needs-the-first-patch.patch does not apply to pristine" not in result.stderr
     assert "`Depends on`" not in result.stderr, result.stderr
 
