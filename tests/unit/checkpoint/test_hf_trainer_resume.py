@@ -35,6 +35,9 @@ DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
     "steps_per_print": 10**6,
+    "bf16": {
+        "enabled": "auto"
+    },  # Trainer's bf16 flag: bf16 weights with fp32 masters
 }
 
 
@@ -98,8 +101,9 @@ class KeepState(transformers.TrainerCallback):
             self.state = trainer_state(self.trainer)
 
 
-def run_trainer(model_dir, output_dir, lora, when, max_steps, resume_from=None):
+def run_trainer(model_dir, output_dir, lora, when, max_steps, resume_from=None, bf16=False):
     args = transformers.TrainingArguments(output_dir=output_dir,
+                                          bf16=bf16,
                                           per_device_train_batch_size=2,
                                           max_steps=max_steps,
                                           save_steps=SAVE_STEP,
@@ -113,6 +117,7 @@ def run_trainer(model_dir, output_dir, lora, when, max_steps, resume_from=None):
                                           deepspeed=DS_CONFIG,
                                           seed=0)
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir)
+    assert all(hasattr(param, "ds_id") for param in model.parameters()), "not built under zero.Init"
     if lora:
         model = peft.get_peft_model(
             model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
@@ -136,18 +141,26 @@ class TestTrainerResumeAtAnotherSize(DistributedTest):
         self.resumes(str(class_tmpdir), str(tmp_path), lora, saved_world=1)
 
     @staticmethod
-    def resumes(shared_dir, output_dir, lora, saved_world):
+    def resumes(shared_dir, output_dir, lora, saved_world, bf16=False):
         model_dir = tiny_llama(os.path.join(shared_dir, "tiny-llama"))
         reference = os.path.join(output_dir, "saved_state.pt")
         if dist.get_world_size() == saved_world:
-            kept = run_trainer(model_dir, output_dir, lora, "saved", max_steps=SAVE_STEP)
+            kept = run_trainer(model_dir, output_dir, lora, "saved", max_steps=SAVE_STEP, bf16=bf16)
             if dist.get_rank() == 0:
                 torch.save(kept.state, reference)
             dist.barrier()
             return
         saved = torch.load(reference, weights_only=False)
         checkpoint = os.path.join(output_dir, f"checkpoint-{SAVE_STEP}")
-        kept = run_trainer(model_dir, output_dir, lora, "loaded", max_steps=SAVE_STEP + 1, resume_from=checkpoint)
+        kept = run_trainer(model_dir,
+                           output_dir,
+                           lora,
+                           "loaded",
+                           max_steps=SAVE_STEP + 1,
+                           resume_from=checkpoint,
+                           bf16=bf16)
+        engine = kept.trainer.model_wrapped
+        assert engine.bfloat16_enabled() == bf16 and engine.zero_optimization_stage() == 3
         loaded = kept.state
         # every weight: the trainable ones as saved, the frozen base weights (never trained, left out of a LoRA
         # checkpoint) as from_pretrained gave them in both runs
@@ -158,3 +171,12 @@ class TestTrainerResumeAtAnotherSize(DistributedTest):
         assert loaded["global_step"] == saved["global_step"] == SAVE_STEP
         if lora:
             assert len(loaded["masters"]) == 8 and all("lora_" in name for name in loaded["masters"])
+
+
+class TestTrainerLoraResumeBf16(DistributedTest):
+    """Trainer's bf16 (bf16 weights, fp32 masters), LoRA, 2 -> 1."""
+    world_size = 2
+
+    @pytest.mark.world_size([2, 1])
+    def test_2_to_1(self, class_tmpdir, tmp_path):
+        TestTrainerResumeAtAnotherSize.resumes(str(class_tmpdir), str(tmp_path), lora=True, saved_world=2, bf16=True)
