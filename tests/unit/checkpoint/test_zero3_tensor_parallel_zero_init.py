@@ -12,10 +12,8 @@ import pytest
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.checkpoint.affine import replicated_map
-from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO
 from unit.checkpoint import test_zero3_tensor_parallel_reshard as tp_reshard
-from unit.checkpoint.test_zero3_tensor_parallel_reshard import LAYOUTS, assert_resumed, rewritten_copy, saves
+from unit.checkpoint.test_zero3_tensor_parallel_reshard import LAYOUTS, assert_resumed, saves
 from unit.checkpoint.universal_zero3_helpers import make_config
 from unit.checkpoint.zero3_reshard_helpers import MODES
 from unit.checkpoint.zero_resume_helpers import TAG, expect_rejected
@@ -31,7 +29,10 @@ def build(tp_size, seed, zero_init):
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported inside zero.Init, torch._dynamo fails)
     with deepspeed.zero.Init(config_dict_or_path=config):
         module = tp_reshard.tied_llama(seed)
-    return tp_reshard.new_engine(module, config)
+    engine = tp_reshard.new_engine(module, config)
+    # a parameter AutoTP leaves whole is partitioned over the data-parallel group, as without zero.Init
+    assert dist.get_world_size(group=engine.module.model.norm.weight.ds_process_group) == engine.seq_dp_world_size
+    return engine
 
 
 # (zero.Init at the save, at the load)
@@ -59,41 +60,56 @@ class TestZero3TensorParallelResumeUnderZeroInit(DistributedTest):
             assert_resumed(engine, save_dir, mode)
 
 
+class TestZero3TensorParallelResumeUnderZeroInitAt4Ranks(DistributedTest):
+    """TP2 x DP2 -> TP1 x DP4 with zero.Init on both sides: each whole parameter partitioned over two ranks at the
+    save, four at the load."""
+    world_size = 4
+
+    @pytest.mark.world_size([4, 4])
+    def test_every_mode_is_exact(self, tmp_path):
+        save_dir = str(tmp_path)
+        if saves("tied_llama", save_dir, 2, "defaults", builder=lambda seed: build(2, seed, True)):
+            return
+        for mode, (kwargs, _, _) in MODES.items():
+            engine = build(1, 1, True)
+            engine.load_checkpoint(save_dir, tag=TAG, **kwargs)
+            assert_resumed(engine, save_dir, mode)
+
+
 def old_layout(seed):
-    """The tied Llama at TP2 partitioned as 0.19.8's zero.Init partitions it under AutoTP: the parameters AutoTP
-    leaves whole over every rank (data_parallel_group=world)."""
+    """The tied Llama at TP2 as 0.19.8 builds it under zero.Init: the parameters AutoTP leaves whole partitioned over
+    every rank, their maps recording (0,) (tensor_parallel.keep_zero_init_partitioning)."""
     config = make_config(2)
+    config["tensor_parallel"]["keep_zero_init_partitioning"] = True
     import transformers.models.llama.modeling_llama  # noqa: F401  (imported inside zero.Init, torch._dynamo fails)
-    with deepspeed.zero.Init(config_dict_or_path=config, data_parallel_group=dist.get_world_group()):
+    with deepspeed.zero.Init(config_dict_or_path=config):
         module = tp_reshard.tied_llama(seed)
-    return tp_reshard.new_engine(module, config)
-
-
-def _record_whole_parameters_as_empty(state):
-    """What 0.19.8 recorded for the parameters AutoTP leaves whole under zero.Init: their (0,) shape."""
-    maps = state[UNIVERSAL_CHECKPOINT_INFO][AFFINE_MAP][AFFINE_MAP_PARAMS]
-    for pattern in [pattern for pattern in maps if "norm" in pattern]:
-        maps[pattern] = replicated_map((0, ), 2).to_dict()
+    engine = tp_reshard.new_engine(module, config)
+    norm = engine.module.model.norm.weight
+    assert dist.get_world_size(group=norm.ds_process_group) == dist.get_world_size()
+    return engine
 
 
 class TestZero3TensorParallelCheckpointOfTheOldLayout(DistributedTest):
-    """A checkpoint of 0.19.8's layout (saved with the old partitioning, its maps rewritten as 0.19.8 wrote them) loaded
-    by a run of the new one, at the saved TP size (where the maps differ) or at another, is refused on every rank,
-    naming the way out; built that way, the run loads it exactly, by position, as 0.19.8 did."""
+    """A checkpoint of 0.19.8's layout loaded by a run of the new one, at the saved TP size (where the maps differ) or
+    at another, is refused on every rank, naming the setting that loads it; with it, the run loads it exactly, by
+    position, as 0.19.8 did."""
     world_size = 2
 
     @pytest.mark.world_size([2, 2, 2])
-    def test_refused_then_resumed_the_way_it_names(self, tmp_path):
+    def test_refused_then_resumed_the_way_it_names(self, tmp_path, class_tmpdir):
         """Three launches: the save, the load at TP1 (refused), the load at TP2 (refused, then the way out)."""
-        save_dir, old = str(tmp_path), os.path.join(str(tmp_path), "as_0.19.8_wrote_it")
+        save_dir, launches = str(tmp_path), os.path.join(str(class_tmpdir), "launches")
         if saves("tied_llama", save_dir, 2, "defaults", builder=old_layout):
             return
-        match = "built under zero.Init.*shape \\(0,\\).*data_parallel_group=deepspeed.comm.get_world_group"
-        if not os.path.isdir(old):
-            rewritten_copy(save_dir, os.path.basename(old), change=_record_whole_parameters_as_empty)
-            expect_rejected(build(1, 1, zero_init=True), old, match)
+        match = "saved by DeepSpeed 0.19.8 from a model built under zero.Init.*keep_zero_init_partitioning=true"
+        if not os.path.isfile(launches):
+            dist.barrier()
+            if dist.get_rank() == 0:
+                open(launches, "w").close()
+            expect_rejected(build(1, 1, zero_init=True), save_dir, match)
             return
-        expect_rejected(build(2, 1, zero_init=True), old, match)
+        expect_rejected(build(2, 1, zero_init=True), save_dir, match)
         engine = old_layout(1)
-        engine.load_checkpoint(old, tag=TAG)
+        engine.load_checkpoint(save_dir, tag=TAG)
         assert_resumed(engine, save_dir, "full")
