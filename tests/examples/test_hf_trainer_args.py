@@ -6,28 +6,16 @@
 any process group or model exists (its training and resume run in tests/unit/checkpoint/test_hf_trainer_resume.py's
 way, under the deepspeed launcher)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from examples.example_modules import ROOT, load_example, refused
+
 CONFIG = str(ROOT / "examples" / "configs" / "hf_trainer_zero3.json")
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("example_hf_trainer", ROOT / "examples" / "hf_trainer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def refused(example, capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        example.parse_args(list(argv))
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
+    return load_example("hf_trainer.py")
 
 
 def test_a_missing_config_is_named(example, capsys, tmp_path):

@@ -5,28 +5,16 @@
 """examples/train.py refuses bad flags and missing checkpoints with a message that says what to do,
 before any process group or model exists."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from examples.example_modules import ROOT, load_example, refused
+
 CONFIG = str(ROOT / "examples" / "configs" / "zero3_bf16.json")
 
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("example_train", ROOT / "examples" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def refused(train, capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        train.parse_args(list(argv))
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
+    return load_example("train.py")
 
 
 @pytest.fixture
