@@ -51,7 +51,7 @@ def revise_first_patch(patches):
     """What a pull that revises (not only appends to) the series does: patch 1's message changes."""
     first = patches / (patches / "series").read_text().split()[0]
     text = first.read_text()
-    first.write_text(text.replace("\n\ndiff --git ", "\n\nRevised after review.\n\ndiff --git ", 1))
+    first.write_text(text.replace("\n---\n", "\n\nRevised after review.\n---\n", 1))  # the message ends at ---
 
 
 def commit_own_work(fork):

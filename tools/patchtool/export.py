@@ -41,7 +41,7 @@ def cmd_export(args):
     for index, commit in enumerate(commits, 1):
         subject = git(fork, "log", "-1", "--format=%s", commit)
         text = git(fork, "format-patch", "--stdout", "-1", "--zero-commit", "--no-signature", "--no-numbered",
-                   "--keep-subject", "--no-stat", "--full-index", commit) + "\n"
+                   "--keep-subject", "--stat", "--full-index", commit) + "\n"
         name = subject_filename(index, subject)
         target = patches_dir / name
         if not target.exists() or target.read_text() != text:
