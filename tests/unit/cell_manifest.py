@@ -34,6 +34,8 @@ ZERO12_BY_NAME = "unit/checkpoint/test_zero12_resume_by_name.py"
 ZERO12_FULL_BY_NAME = "unit/checkpoint/test_zero12_full_resume_by_name.py"
 UNIVERSAL_FLAGS = "unit/checkpoint/test_universal_zero12_load_flags.py"
 ZERO12_RESHARD = "unit/checkpoint/test_zero12_reshard.py"
+ZERO_INIT_LAYOUT = "unit/checkpoint/test_autotp_zero_init_layout.py"
+ZERO_INIT_TP = "unit/checkpoint/test_zero3_tensor_parallel_zero_init.py"
 
 # yapf: disable
 CELLS = {
@@ -169,5 +171,18 @@ CELLS = {
         dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid", layout="tp2 -> tp2 (re-split)"),
     f"{TP_LAYOUT}::TestZero2AnotherTensorParallelLayoutRefused": dict(stage=2, checkpoint="rigid (refused)"),
     f"{TP_LAYOUT}::TestFirstTensorParallelMapChange": dict(layout="tp2 -> tp2 (maps only, no ranks)"),
+    # 0032: under zero.Init, the parameters AutoTP leaves whole are partitioned over the data-parallel group
+    ZERO_INIT_LAYOUT: dict(feature="zero.Init autotp", stage=3, precision="fp32", layout="tp2xdp1"),
+    f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitLayout::test_partitioned_over_data_parallel[bf16]": dict(precision="bf16"),
+    f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitLayout::test_partitioned_over_data_parallel[param_offload_frozen]":
+        dict(offload="param cpu", settings="frozen layer"),
+    f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitLayout::test_two_data_parallel_ranks": dict(layout="tp2xdp2"),
+    f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitCheckpointConverts":
+        dict(checkpoint="universal", layout="tp2xdp1 -> tp1xdp2"),
+    f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitKeptLayout": dict(checkpoint="rigid (kept layout; refused otherwise)"),
+    # 0033: zero.Init AutoTP checkpoints at another tensor-parallel size
+    ZERO_INIT_TP: dict(feature="direct-reshard zero.Init", stage=3, precision="fp32", checkpoint="rigid"),
+    f"{ZERO_INIT_TP}::TestZero3TensorParallelKeptZeroInitLayout":
+        dict(layout="tp2 -> tp2", checkpoint="rigid (kept layout; refused otherwise)"),
 }
 # yapf: enable

@@ -238,3 +238,33 @@ def rewrite_as_bare_tensors(save_dir, tag):
 def new_engine(model, config):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
+
+
+def pretrained(build_model, folder, seed):
+    """build_model(seed) saved where from_pretrained reads it (rank 0 writes, every rank waits)."""
+    path = os.path.join(folder, f"pretrained-{build_model.__name__}-{seed}")
+    if dist.get_rank() == 0 and not os.path.isdir(path):
+        build_model(seed).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def from_pretrained(build_model, config, folder, seed, frozen=()):
+    """An engine of build_model(seed) as Hugging Face builds it under ZeRO-3: from_pretrained, with the DeepSpeed config
+    registered as Trainer registers it, builds the model under deepspeed.zero.Init. The parameters whose names start
+    with a `frozen` prefix do not train."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    # Registered without its tensor_parallel section: transformers (5.25) refuses every weight renaming a model's
+    # from_pretrained applies (Llama has some) when the registered config asks for DeepSpeed TP ("Weight
+    # conversions ... with DeepSpeed Tensor Parallelism are not yet implemented"), which is not DeepSpeed's doing.
+    # zero.Init reads nothing from that section; deepspeed.initialize gets the whole config.
+    registered = HfDeepSpeedConfig({
+        key: value
+        for key, value in config.items() if key != "tensor_parallel"
+    })  # noqa: F841
+    module = AutoModelForCausalLM.from_pretrained(pretrained(build_model, folder, seed))
+    assert all(hasattr(param, "ds_id") for param in module.parameters()), "not built under zero.Init"
+    for name, param in module.named_parameters():
+        param.requires_grad_(not name.startswith(frozen))
+    return new_engine(module, config)
