@@ -17,16 +17,18 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import AFFINE_MAP, AFFINE_MAP_PARAMS, DS_AUTOTP_UC_META, UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.checkpoint.universal_conversion import convert_to_universal
 from unit.checkpoint.universal_zero3_helpers import (assert_same_state, from_pretrained, full_state, make_config,
                                                      new_engine, pretrained, step_counts, tiny_llama, token_batches,
                                                      tp_rank_and_size, train_lm)
 from unit.checkpoint.zero_resume_helpers import expect_rejected
 from unit.common import DistributedTest
+from unit.zero_tiny_models import SETTINGS
 
 TAG = "saved"
 KEEP_REFUSAL = "saved from a model built under zero.Init.*keep_zero_init_partitioning\": true"
-ONLY_KEPT_REFUSAL = "keeps the parameters AutoTP leaves whole partitioned over every rank.*without keep_zero_init"
+ONLY_KEPT_REFUSAL = "keeps parameters AutoTP leaves whole partitioned over every rank.*without keep_zero_init"
 
 
 def tiny_opt(seed):
@@ -44,14 +46,19 @@ def tiny_opt(seed):
 
 
 # cell -> (model, config changes, frozen prefixes): DeepSpeed's defaults with Llama's Hugging Face plan first; AutoTP's
-# heuristics; bf16 weights (fp32 masters); parameters offloaded to the CPU with a frozen layer
+# heuristics; bf16 weights (fp32 masters) with gradient clipping, as Trainer's max_grad_norm sets it; no persistent
+# parameters (fetched and released as a large embedding is); parameters offloaded to the CPU with a frozen layer
 LAYOUT_CELLS = {
     "hf_plan": (tiny_llama, {}, ()),
     "heuristic": (tiny_opt, {}, ()),
-    "bf16": (tiny_llama, {
+    "bf16_clipping": (tiny_llama, {
         "bf16": {
             "enabled": True
-        }
+        },
+        "gradient_clipping": 1.0
+    }, ()),
+    "persistence_threshold=0": (tiny_llama, {
+        "zero_optimization": SETTINGS["persistence_threshold=0"]
     }, ()),
     "param_offload_frozen": (tiny_llama, {
         "zero_optimization": {
@@ -122,12 +129,12 @@ class TestAutoTPZeroInitLayout(DistributedTest):
     @pytest.mark.parametrize("cell", LAYOUT_CELLS)
     def test_partitioned_over_data_parallel(self, tmp_path, cell):
         model, changes, frozen = LAYOUT_CELLS[cell]
-        for keep in (False, True):
-            built = engine(2, str(tmp_path), keep, model=model, changes=changes, frozen=frozen)
-            assert_layout(built, data_parallel_ranks=[[0], [1]][dist.get_rank()], keep=keep)
-            if not keep:
-                plain = without_zero_init(2, str(tmp_path), model, changes, frozen)
-                assert train_lm(built, token_batches(3)) == train_lm(plain, token_batches(3))
+        built = engine(2, str(tmp_path), model=model, changes=changes, frozen=frozen)
+        assert_layout(built, data_parallel_ranks=[[0], [1]][dist.get_rank()], keep=False)
+        plain = without_zero_init(2, str(tmp_path), model, changes, frozen)
+        assert losses_and_norms(built, 3) == losses_and_norms(plain, 3)
+        if cell == "hf_plan":
+            assert_layout(engine(2, str(tmp_path), keep=True), data_parallel_ranks=None, keep=True)
 
     @pytest.mark.world_size(4)
     def test_two_data_parallel_ranks(self, tmp_path):
@@ -136,7 +143,19 @@ class TestAutoTPZeroInitLayout(DistributedTest):
         built = engine(2, str(tmp_path))
         assert_layout(built, data_parallel_ranks=[dist.get_rank() % 2, dist.get_rank() % 2 + 2], keep=False)
         plain = without_zero_init(2, str(tmp_path), tiny_llama, {}, ())
-        assert train_lm(built, token_batches(2)) == train_lm(plain, token_batches(2))
+        assert losses_and_norms(built, 2) == losses_and_norms(plain, 2)
+
+
+def losses_and_norms(engine, nsteps):
+    """The loss and the global gradient norm of each of nsteps training steps."""
+    out = []
+    for ids in token_batches(nsteps):
+        ids = ids.to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        out.append((loss.item(), float(engine.get_global_grad_norm())))
+    return out
 
 
 def assert_layout(built, data_parallel_ranks, keep):
@@ -181,24 +200,31 @@ class TestAutoTPZeroInitCheckpointConverts(DistributedTest):
 
 
 class TestAutoTPZeroInitKeptLayout(DistributedTest):
-    """At TP2 x DP1, the sizes it was saved with: a checkpoint of the kept layout (as 0.19.8 saved it) resumes
-    exactly with keep_zero_init_partitioning and is refused on every rank without it, the engine unchanged; a
-    checkpoint of the new layout is refused by a run that keeps the old one."""
+    """At TP2 x DP1, the sizes it was saved with: a checkpoint of the kept layout (as 0.19.x saved it) resumes
+    exactly with keep_zero_init_partitioning and is refused on every rank without it, the engine unchanged (the
+    parameters' ZeRO status included); a checkpoint of the new layout is refused by a run that keeps the old one,
+    which loads it once converted to a universal checkpoint."""
     world_size = 2
 
     def test_resumes_with_the_setting_and_is_refused_without(self, tmp_path):
         save_dir = str(tmp_path)
         for keep in (True, False):
+            folder = os.path.join(save_dir, f"keep_{keep}")
             saving = engine(2, save_dir, keep=keep)
             train_lm(saving, token_batches(2))
-            saving.save_checkpoint(os.path.join(save_dir, f"keep_{keep}"), tag=TAG)
+            saving.save_checkpoint(folder, tag=TAG)
             saved = full_state(saving)
             other = engine(2, save_dir, keep=not keep)
             train_lm(other, token_batches(1))  # moments and steps of its own, which the refusal must leave alone
-            expect_rejected(other,
-                            os.path.join(save_dir, f"keep_{keep}"),
-                            KEEP_REFUSAL if keep else ONLY_KEPT_REFUSAL,
-                            tag=TAG)
+            refusal = KEEP_REFUSAL if keep else ONLY_KEPT_REFUSAL
+            statuses = [param.ds_status for param in other.module.parameters()]
+            with pytest.raises(ZeRORuntimeException, match=refusal):
+                other.load_checkpoint(folder, tag=TAG)
+            assert [param.ds_status for param in other.module.parameters()] == statuses
+            expect_rejected(other, folder, refusal, tag=TAG)
             resumed = engine(2, save_dir, keep=keep)
-            resumed.load_checkpoint(os.path.join(save_dir, f"keep_{keep}"), tag=TAG)
+            resumed.load_checkpoint(folder, tag=TAG)
             assert_same_state(saved, full_state(resumed))
+        kept = engine(2, save_dir, keep=True, load_universal=True)
+        kept.load_checkpoint(folder, tag=convert_to_universal(folder, TAG))
+        assert_same_state(saved, full_state(kept))
