@@ -18,7 +18,7 @@ PATCHES := tools/patches.py
 # (tests/unit/env.py), so reruns are fast.
 PYTEST_ARGS ?=
 
-.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export readme check pristine bench cells clean upstream-tests branches branch-tests
+.PHONY: test test-pristine demo setup system-deps ops venv fork sync install export readme check pristine bench cells clean upstream-tests branches branch-tests gpu-evidence gpu-evidence-prepare
 
 test: setup
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
@@ -104,6 +104,22 @@ bench: setup pristine
 	$(VPY) bench/zero3_reshard_cost.py
 	$(VPY) bench/zero3_reshard_cost.py --stage 2
 	$(VPY) bench/zero3_reshard_cost.py --tp
+
+# One run on a single-GPU node as the evidence upstream's skip-gpu-test label asks for (docs/gpu-evidence.md): the
+# memory bench with --cuda, 0001's offload round trips and upstream's TestDynamicOffloadStatesZero3 cells at 1 rank
+# (fork and 0.19.8), our one-GPU tests; one table, exit 1 if a fork check fails. $(PYTHON): the node's CUDA torch.
+# Upstream's tests come from .cache/upstream-tests/tests-upstream/, which `make gpu-evidence-prepare UPSTREAM=DIR`
+# (or UPSTREAM=DIR here, or `make upstream-tests`) fills. CPU=1: the same steps in miniature on the CPU accelerator.
+GPU_EVIDENCE_ARGS ?=
+gpu-evidence: $(if $(CPU),setup)
+	$(if $(CPU),$(VPY),$(PYTHON)) tools/gpu_evidence.py $(if $(CPU),--cpu) $(if $(UPSTREAM),--upstream $(UPSTREAM)) \
+		$(GPU_EVIDENCE_ARGS)
+
+# For a GPU node without network: upstream's tests (UPSTREAM: a checkout or git dir of upstream DeepSpeed) and wheels
+# of the DeepSpeed requirements its image may lack (.cache/gpu-evidence/wheels/); carry both, fork/ and the sdist.
+gpu-evidence-prepare: venv
+	@test -n "$(UPSTREAM)" || { echo "usage: make gpu-evidence-prepare UPSTREAM=DIR (an upstream DeepSpeed checkout or git dir)"; exit 2; }
+	$(VPY) tools/gpu_evidence.py --prepare --upstream $(UPSTREAM)
 
 # The validated-cells matrix from the last test run (markdown; tools/cells.py --help); UPDATE=1 writes it into
 # docs/cells.md instead of printing it.

@@ -1,0 +1,379 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""A rank killed (SIGKILL) at any moment of save_checkpoint costs at most that save: a load of `latest` restores
+the checkpoint saved before or the new one, complete and bit for bit, never an error or a mix of the two.
+
+DistributedTest cannot survive a killed rank, so these tests launch their ranks themselves: this file runs as a
+script in 2 processes (CPU accelerator, gloo), each of which imports DeepSpeed once and forks a child per trial.
+In a trial both ranks train, save tag "a", train one more step and save again, tag "b" or "a" once more, while one
+rank kills itself at a seeded point of that save (its k-th Python call, k a seeded fraction of the calls of a
+whole save) or before its n-th rename (where a save commits). A fresh pair of children per trial then loads
+`latest` and compares the masters, both Adam moments and the step counts with what each save held. Every child
+is killed after TRIAL_TIMEOUT_S, so a rank that hangs fails its trial instead of the session."""
+
+import datetime
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="forks rank processes after importing torch")
+
+TESTS_DIR = Path(__file__).resolve().parents[2]
+TRIAL_TIMEOUT_S = 30  # per child (a job takes about a second); a whole launch gets LAUNCH_TIMEOUT_S
+LAUNCH_TIMEOUT_S = 600
+# (stage, precision): DeepSpeed's defaults first (ZeRO-3, fp32, default persistence threshold).
+CELLS = [(3, "fp32"), (3, "bf16"), (2, "bf16"), (1, "fp32"), (0, "fp32")]
+# Kill points, as fractions of a save's Python calls: a seeded draw from each third of it.
+POINTS = [random.Random(third).uniform(third / 3, (third + 1) / 3) for third in range(3)]
+
+
+def _trials():
+    """The first cell: each rank killed at each point of a save of a new tag and of the tag `latest` names, and
+    rank 0 killed before each rename of either save, where it commits (the last one never comes: a save that
+    completes). The other cells: rank 1 killed midway through a save of a new tag."""
+    stage, precision = CELLS[0]
+    first = [
+        dict(stage=stage, precision=precision, second_tag=second_tag, victim=victim, point=point)
+        for second_tag in ("b", "a") for victim in (0, 1) for point in POINTS
+    ] + [
+        dict(stage=stage, precision=precision, second_tag=second_tag, victim=0, rename=rename)
+        for second_tag, renames in (("b", 2), ("a", 4)) for rename in range(1, renames + 1)
+    ]
+    others = [
+        dict(stage=stage, precision=precision, second_tag="b", victim=1, point=POINTS[1])
+        for stage, precision in CELLS[1:]
+    ]
+    # The fast checkpoint engine (its Python file writer), synchronous like the default one. (Under ZeRO-1/2 without
+    # an mpu, 0.19.8's fast engine fails before saving: its writer factory reads a missing dp_rank.)
+    fast = dict(stage=3, precision="fp32", second_tag="a", victim=1, point=POINTS[1], writer=dict(type="python"))
+    return first + others + [fast]
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(jobs, workdir, world_size=2):
+    """Run the jobs ({"name": ..., "run": "save" | "load" | ..., ...}) one after another in `world_size` ranks,
+    each in a child forked per rank; returns {(job name, rank): result} from the children's RESULT lines."""
+    for job in jobs:
+        job["port"] = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ,
+                   RANK=str(rank),
+                   LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1",
+                   CROSS_RANK="0",
+                   CROSS_SIZE="1",
+                   DS_ACCELERATOR="cpu",
+                   PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):  # no LOCAL_SIZE: no shm collectives
+            env.pop(name, None)
+        with open(os.path.join(workdir, f"rank{rank}.log"), "w") as log:
+            procs.append(
+                subprocess.Popen([sys.executable, __file__, json.dumps(jobs)], env=env, stdout=log, stderr=log))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+    results = {}
+    for rank in range(world_size):
+        for line in Path(workdir, f"rank{rank}.log").read_text().splitlines():
+            if line.startswith("RESULT "):
+                name, result = json.loads(line[len("RESULT "):])
+                results[name, rank] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory):
+    """Every trial's save (with a kill), then its load of `latest`; then, at 1 rank, a save under a tag that a
+    trial left saved or half-saved at 2 ranks; a save to a save_dir that each rank sees apart (as without a shared
+    file system); and a save with the decoupled engine. Returns the trials and {(job name, rank): result}."""
+    workdir = tmp_path_factory.mktemp("killed_saves")
+    trials = _trials()
+    for i, trial in enumerate(trials):
+        trial["dir"] = str(workdir / f"trial{i}")
+    resaved = next(t for t in trials if t["stage"] == 3 and t["victim"] == 1 and t.get("point") == POINTS[2])
+    jobs = [dict(t, name=f"save{i}", run="save") for i, t in enumerate(trials)]
+    jobs += [dict(t, name=f"load{i}", run="load") for i, t in enumerate(trials)]
+    jobs += [
+        dict(resaved, name="resave", run="resave", world_size=1, env=dict(WORLD_SIZE="1")),
+        # Each rank the local rank 0 of a node of its own, with a save_dir of its own.
+        dict(stage=3, precision="fp32", dir=str(workdir / "unshared"), name="unshared", env=dict(LOCAL_RANK="0")),
+        dict(stage=3, precision="fp32", dir=str(workdir / "decoupled"), name="decoupled"),
+    ]
+    return dict(trials=trials, resaved=resaved, workdir=workdir, results=_launch(jobs, str(workdir)))
+
+
+def _described(trial):
+    kill = f"at {trial['point']:.2f}" if "point" in trial else f"before its rename {trial['rename']}"
+    engine = ", fast engine" if "writer" in trial else ""
+    return (f"stage {trial['stage']} {trial['precision']}{engine}, rank {trial['victim']} killed {kill} of a save of "
+            f"tag {trial['second_tag']!r}")
+
+
+def test_latest_loads_the_previous_or_the_new_checkpoint_whole(killed_saves):
+    trials, results = killed_saves["trials"], killed_saves["results"]
+    loads = [{results.get((f"load{i}", rank), "no result") for rank in (0, 1)} for i in range(len(trials))]
+    bad = [
+        f"{_described(trial)}: latest loads {sorted(loaded)}" for trial, loaded in zip(trials, loads)
+        if loaded not in ({"previous"}, {"new"})
+    ]
+    assert not bad, f"{len(bad)} of {len(trials)} trials:\n" + "\n".join(bad)
+
+
+def test_saving_again_at_another_world_size_leaves_no_file_of_the_earlier_save(killed_saves):
+    """A 1-rank save under the tag a 2-rank save (killed) wrote to: that tag then holds the 1-rank save's files
+    only, and it loads exactly."""
+    assert killed_saves["results"].get(("resave", 0)) == "new", killed_saves["results"].get(("resave", 0))
+    tag_dir = os.path.join(killed_saves["resaved"]["dir"], "ckpt", killed_saves["resaved"]["second_tag"])
+    assert not glob.glob(os.path.join(tag_dir, "*rank_1_*")), sorted(os.listdir(tag_dir))
+
+
+def test_each_node_publishes_its_files_without_a_shared_file_system(killed_saves):
+    """Each rank saves to a folder of its own (as each node of a job whose save_dir is not shared, with
+    use_node_local_storage off): each rank's files end in the tag's folder, as before."""
+    results = [killed_saves["results"].get(("unshared", rank)) for rank in (0, 1)]
+    assert results == ["saved", "saved"], results
+    for rank in (0, 1):
+        save_dir = killed_saves["workdir"] / "unshared" / f"rank{rank}"
+        assert glob.glob(str(save_dir / "b" / f"*rank_{rank}_*optim_states.pt")), sorted(os.listdir(save_dir))
+        assert not glob.glob(str(save_dir / "b.*")), sorted(os.listdir(save_dir))
+
+
+def test_the_decoupled_engine_names_a_tag_in_latest_once_every_rank_committed_it(killed_saves):
+    """Right after save_checkpoint, `latest` does not name the tag yet; after the next step (the commit) it does,
+    and the tag loads exactly."""
+    for rank in (0, 1):
+        result = killed_saves["results"].get(("decoupled", rank))
+        assert isinstance(result, list), result
+        (latest_before, _), (latest_after, folders_after) = result
+        assert latest_before is None and latest_after == "a" and "a" in folders_after, result
+
+
+# ----- the ranks -------------------------------------------------------------------------------------------------
+
+
+def _state(engine):
+    """Masters, Adam moments (gathered: alike on every rank), this rank's optimizer step counts and the engine's."""
+    from unit.checkpoint.zero_resume_helpers import masters, moments, steps
+    params = dict(engine.module.named_parameters())
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params.values()):
+        return dict(masters=masters(engine),
+                    moments=moments(engine),
+                    steps=steps(engine),
+                    global_steps=engine.global_steps)
+    state = engine.optimizer.state  # no ZeRO, fp32: the parameters are the masters
+    return dict(masters={
+        n: p.detach().clone()
+        for n, p in params.items()
+    },
+                moments={
+                    n: {
+                        k: state[p][k].clone()
+                        for k in ("exp_avg", "exp_avg_sq")
+                    }
+                    for n, p in params.items()
+                },
+                steps=steps(engine),
+                global_steps=engine.global_steps)
+
+
+def _engine(job, writer=None):
+    import deepspeed
+    from unit.checkpoint.zero_resume_helpers import make_config, make_engine
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=TRIAL_TIMEOUT_S * 2 // 3))
+    config = make_config(job["stage"], job["precision"])
+    if writer:
+        config["checkpoint"] = {"writer": writer}
+    return make_engine(config)
+
+
+def _calls(fn):
+    """The number of Python calls fn() makes."""
+    count = [0]
+
+    def profile(frame, event, arg):
+        count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def _kill_at(calls=None, rename=None):
+    """SIGKILL this process at its `calls`-th Python call from now, or as it calls os.rename or os.replace for
+    the `rename`-th time."""
+    count = [0]
+
+    def profile(frame, event, arg):
+        if calls is not None or (event == "c_call" and arg in (os.rename, os.replace)):
+            count[0] += 1
+        if count[0] >= (calls or rename):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.setprofile(profile)
+
+
+def _save(job):
+    """Save tag "a", train a step, save job["second_tag"] with the victim killed at job["point"] of that save
+    (or before its job["rename"]-th rename)."""
+    import deepspeed.comm as dist
+    from unit.checkpoint.zero_resume_helpers import train
+    save_dir = os.path.join(job["dir"], "ckpt")
+    engine = _engine(job, job.get("writer"))
+    train(engine, 2)
+    engine.save_checkpoint(os.path.join(job["dir"], "warmup"), tag="a")  # a first save also imports modules
+    previous = _state(engine)
+    calls = _calls(lambda: engine.save_checkpoint(save_dir, tag="a"))
+    train(engine, 1)
+    torch.save(dict(previous=previous, new=_state(engine)), os.path.join(job["dir"], f"expected{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == job["victim"]:
+        _kill_at(calls=int(job["point"] * calls) if "point" in job else None, rename=job.get("rename"))
+    engine.save_checkpoint(save_dir, tag=job["second_tag"])
+    sys.setprofile(None)
+    return "saved"
+
+
+def _resave(job):
+    """At 1 rank, save under the tag the 2-rank trial saved last, then load `latest`: "new" if exact."""
+    from unit.checkpoint.zero_resume_helpers import assert_same, train
+    save_dir = os.path.join(job["dir"], "ckpt")
+    engine = _engine(job)
+    train(engine, 1)
+    saved = _state(engine)
+    engine.save_checkpoint(save_dir, tag=job["second_tag"])
+    resumed = _engine(job)
+    resumed.load_checkpoint(save_dir)
+    assert_same(_state(resumed), saved)
+    return "new"
+
+
+def _decoupled(job):
+    """The decoupled engine writes in the background and commits at the next step: `latest` names the tag only
+    then. Returns the save_dir's listing after save_checkpoint and after the step, or the load's mismatch."""
+    from unit.checkpoint.zero_resume_helpers import assert_same, train
+    save_dir = os.path.join(job["dir"], "ckpt")
+    engine = _engine(job, dict(type="python", decoupled=True))
+    train(engine, 2)
+    saved = _state(engine)
+    engine.save_checkpoint(save_dir, tag="a")
+    listings = [_latest_and_folders(save_dir)]
+    train(engine, 1)
+    listings.append(_latest_and_folders(save_dir))
+    resumed = _engine(job)
+    resumed.load_checkpoint(save_dir)
+    assert_same(_state(resumed), saved)
+    engine.checkpoint_engine.cleanup()
+    return listings
+
+
+def _latest_and_folders(save_dir):
+    latest = os.path.join(save_dir, "latest")
+    return [open(latest).read() if os.path.exists(latest) else None, sorted(next(os.walk(save_dir))[1])]
+
+
+def _unshared(job):
+    """Each rank saves tags "a" and "b" to a save_dir of its own, as if on a node that does not share it."""
+    import deepspeed.comm as dist
+    from unit.checkpoint.zero_resume_helpers import train
+    engine = _engine(job)
+    train(engine, 1)
+    for tag in ("a", "b"):
+        engine.save_checkpoint(os.path.join(job["dir"], f"rank{dist.get_rank()}"), tag=tag)
+    return "saved"
+
+
+def _load(job):
+    """Load `latest`: "previous" or "new" when the state is the one of that save, bit for bit."""
+    import deepspeed.comm as dist
+    from unit.checkpoint.zero_resume_helpers import assert_same
+    engine = _engine(job)
+    engine.load_checkpoint(os.path.join(job["dir"], "ckpt"))
+    loaded = _state(engine)
+    expected = torch.load(os.path.join(job["dir"], f"expected{dist.get_rank()}.pt"), weights_only=False)
+    for name in ("previous", "new"):
+        try:
+            assert_same(loaded, expected[name])
+            return name
+        except AssertionError:
+            pass
+    return "a mix"
+
+
+def _run_job(job):
+    """In a forked child: run the job, print its RESULT (or the error), and exit without cleanup."""
+    os.environ.update(MASTER_PORT=str(job["port"]), **job.get("env", {}))
+    os.makedirs(job["dir"], exist_ok=True)
+    run = dict(save=_save, load=_load, resave=_resave, unshared=_unshared, decoupled=_decoupled)
+    try:
+        result = run[job.get("run", job["name"])](job)
+    except BaseException as exc:  # noqa: B036 (a peer's death raises in the collective this rank waits in)
+        result = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    print("RESULT " + json.dumps([job["name"], result]), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _import_once():
+    """Import here, before forking, what each child would import again: DeepSpeed and what its first
+    initialize() imports (torch's compiler stack, for Muon's torch.compile'd kernels and the optimizers)."""
+    import gc
+    import importlib
+    import unit.checkpoint.zero_resume_helpers  # noqa: F401
+    for name in ("torch._dynamo", "torch._inductor.compile_fx", "deepspeed.runtime.zero.muon.muon_optimizer"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    gc.freeze()  # the children's gc.collect() calls then skip what was imported here
+
+
+def _serve(jobs):
+    """This rank's jobs, each in a child forked from this process (which imported DeepSpeed once), killed after
+    TRIAL_TIMEOUT_S."""
+    _import_once()
+    for job in jobs:
+        if int(os.environ["RANK"]) >= job.get("world_size", 2):
+            continue
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_job(job)
+        deadline = time.monotonic() + TRIAL_TIMEOUT_S
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                print("RESULT " + json.dumps([job["name"], "timed out"]), flush=True)
+                break
+            time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]))
