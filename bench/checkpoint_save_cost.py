@@ -3,21 +3,23 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Time of save_checkpoint, pristine DeepSpeed 0.19.8 beside the fork, with and without its fsync calls, in one run.
+"""Time of save_checkpoint, pristine DeepSpeed 0.19.8 beside 0.19.8 with patch 0034 alone (the pull request's
+branch), with and without its fsync calls, in one run.
 
 Each variant runs in 2 fresh rank processes (CPU accelerator, gloo): a ZeRO-3 fp32 TinyMLP (torch Adam) trains
 one step, saves once to warm up, then saves --saves times under new tags, each after a sync(); a save's time is
 the slowest rank's wall time of save_checkpoint, and the table gives the median and the range, and the time
-spent inside os.fsync (the slowest rank's; 0.19.8 calls none). "fork, fsync off" is the fork with
-os.fsync replaced by a no-op in its ranks: the difference to "fork" is what making the files, the folders and
-`latest` durable costs; the difference to 0.19.8 also holds the staging folder, its rename and two barriers.
+spent inside os.fsync (the slowest rank's; 0.19.8 calls none). "+ 0034, fsync off" is the patched tree with
+os.fsync replaced by a no-op in its ranks: the difference to "+ 0034" is what making the files, the folders and
+`latest` durable costs; the difference to 0.19.8 also holds the staging folder, its renames and three barriers.
 The variants run in turn, --rounds times, so that drift in the machine's load spreads over all of them.
 
     .venv/bin/python bench/checkpoint_save_cost.py                  # ~25M params (300 MB per save), ~2 minutes
     .venv/bin/python bench/checkpoint_save_cost.py --hidden 512     # ~1.6M params
 
-pristine/ must exist (`make pristine`); the fork is fork/ beside it. --dir sets where the checkpoints go (the
-file system under test; default: a temporary folder under /tmp).
+pristine/ must exist (`make pristine`); the patched tree is made beside it, in .cache/pristine+0034/, by `git
+apply` of patches/0034-*.patch. --dir sets where the checkpoints go (the file system under test; default: a
+temporary folder under /tmp).
 """
 
 import argparse
@@ -33,7 +35,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' model, configs and environment helpers
-VARIANTS = {"0.19.8": ("pristine", False), "fork": ("fork", False), "fork, fsync off": ("fork", True)}
+PATCHED = ".cache/pristine+0034"
+VARIANTS = {
+    "0.19.8": ("pristine", False),
+    "0.19.8 + 0034": (PATCHED, False),
+    "0.19.8 + 0034, fsync off": (PATCHED, True)
+}
 
 
 def rank_main(args):
@@ -75,6 +82,15 @@ def rank_main(args):
     if dist.get_rank() == 0:
         size = sum(f.stat().st_size for f in Path(args.save_dir, "step0").iterdir())
         print("RESULT " + json.dumps(dict(times=times[1:], fsync=fsync_times[1:], bytes=size)), flush=True)
+
+
+def make_patched_tree():
+    """0.19.8 with patch 0034 alone, at a fixed path (its JIT-op cache stays valid across runs)."""
+    tree = ROOT / PATCHED
+    subprocess.run(["rm", "-rf", str(tree)], check=True)
+    subprocess.run(["cp", "-r", str(ROOT / "pristine"), str(tree)], check=True)
+    patch = next((ROOT / "patches").glob("0034-*.patch"))
+    subprocess.run(["git", "apply", "--directory", PATCHED, str(patch)], cwd=ROOT, check=True)
 
 
 def free_port():
@@ -128,6 +144,7 @@ def main():
     args = parser.parse_args()
     if args.rank:
         return rank_main(args)
+    make_patched_tree()
     workdir = tempfile.mkdtemp(prefix="save_cost_", dir=args.dir)
     times, fsync, size = {name: [] for name in VARIANTS}, {name: [] for name in VARIANTS}, None
     for _ in range(args.rounds):

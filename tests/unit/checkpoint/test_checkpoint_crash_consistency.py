@@ -41,15 +41,15 @@ POINTS = [random.Random(third).uniform(third / 3, (third + 1) / 3) for third in 
 
 def _trials():
     """The first cell: each rank killed at each point of a save of a new tag and of the tag `latest` names, and
-    rank 0 killed before each rename of either save, where it commits (the last one never comes: a save that
-    completes). The other cells: rank 1 killed midway through a save of a new tag."""
+    rank 0 (the rank that publishes) killed before each rename of either save. The other cells: rank 1 killed
+    midway through a save of a new tag."""
     stage, precision = CELLS[0]
     first = [
         dict(stage=stage, precision=precision, second_tag=second_tag, victim=victim, point=point)
         for second_tag in ("b", "a") for victim in (0, 1) for point in POINTS
     ] + [
         dict(stage=stage, precision=precision, second_tag=second_tag, victim=0, rename=rename)
-        for second_tag, renames in (("b", 2), ("a", 4)) for rename in range(1, renames + 1)
+        for second_tag, renames in (("b", 3), ("a", 5)) for rename in range(1, renames + 1)
     ]
     others = [
         dict(stage=stage, precision=precision, second_tag="b", victim=1, point=POINTS[1])
@@ -108,8 +108,9 @@ def _launch(jobs, workdir, world_size=2):
 @pytest.fixture(scope="module")
 def killed_saves(tmp_path_factory):
     """Every trial's save (with a kill), then its load of `latest`; then, at 1 rank, a save under a tag that a
-    trial left saved or half-saved at 2 ranks; a save to a save_dir that each rank sees apart (as without a shared
-    file system); and a save with the decoupled engine. Returns the trials and {(job name, rank): result}."""
+    trial left saved or half-saved at 2 ranks; saves to a save_dir that each rank sees apart (as without a shared
+    file system), and under a tag per rank; and saves with the decoupled engine and with DataStates. Returns the
+    trials and {(job name, rank): result}."""
     workdir = tmp_path_factory.mktemp("killed_saves")
     trials = _trials()
     for i, trial in enumerate(trials):
@@ -121,7 +122,10 @@ def killed_saves(tmp_path_factory):
         dict(resaved, name="resave", run="resave", world_size=1, env=dict(WORLD_SIZE="1")),
         # Each rank the local rank 0 of a node of its own, with a save_dir of its own.
         dict(stage=3, precision="fp32", dir=str(workdir / "unshared"), name="unshared", env=dict(LOCAL_RANK="0")),
+        # One node: a save_dir per rank, then a tag per rank.
+        dict(stage=3, precision="fp32", dir=str(workdir / "per_rank"), name="per_rank"),
         dict(stage=3, precision="fp32", dir=str(workdir / "decoupled"), name="decoupled"),
+        dict(stage=3, precision="fp32", dir=str(workdir / "datastates"), name="datastates"),
     ]
     return dict(trials=trials, resaved=resaved, workdir=workdir, results=_launch(jobs, str(workdir)))
 
@@ -152,24 +156,28 @@ def test_saving_again_at_another_world_size_leaves_no_file_of_the_earlier_save(k
 
 
 def test_each_node_publishes_its_files_without_a_shared_file_system(killed_saves):
-    """Each rank saves to a folder of its own (as each node of a job whose save_dir is not shared, with
-    use_node_local_storage off): each rank's files end in the tag's folder, as before."""
+    """Each rank saves to a folder of its own, as each node of a job whose save_dir is not shared (with
+    use_node_local_storage off), twice under one tag: each rank's folder then holds its second save, and nothing
+    is left in a staging folder."""
     results = [killed_saves["results"].get(("unshared", rank)) for rank in (0, 1)]
-    assert results == ["saved", "saved"], results
-    for rank in (0, 1):
-        save_dir = killed_saves["workdir"] / "unshared" / f"rank{rank}"
-        assert glob.glob(str(save_dir / "b" / f"*rank_{rank}_*optim_states.pt")), sorted(os.listdir(save_dir))
-        assert not glob.glob(str(save_dir / "b.*")), sorted(os.listdir(save_dir))
+    assert results == [["a"], ["a"]], results
 
 
-def test_the_decoupled_engine_names_a_tag_in_latest_once_every_rank_committed_it(killed_saves):
-    """Right after save_checkpoint, `latest` does not name the tag yet; after the next step (the commit) it does,
-    and the tag loads exactly."""
+def test_each_rank_publishes_a_save_dir_or_a_tag_of_its_own(killed_saves):
+    """On one node, each rank saves to a save_dir of its own, then under a tag of its own (tag_validation warns):
+    each rank's files end in its tag's folder."""
+    results = [killed_saves["results"].get(("per_rank", rank)) for rank in (0, 1)]
+    assert results == [[["a"], ["t0", "t1"]]] * 2, results
+
+
+def test_decoupled_engines_write_into_the_tag_folder_as_before(killed_saves):
+    """The decoupled engine (two saves before a step, a save then cleanup without a step) and DataStates write into
+    the tags' own folders, not staged: each tag's folder holds its files and DataStates' tag loads exactly."""
     for rank in (0, 1):
-        result = killed_saves["results"].get(("decoupled", rank))
-        assert isinstance(result, list), result
-        (latest_before, _), (latest_after, folders_after) = result
-        assert latest_before is None and latest_after == "a" and "a" in folders_after, result
+        decoupled = killed_saves["results"].get(("decoupled", rank))
+        assert decoupled == ["a", "b", "c", "latest"], decoupled
+        datastates = killed_saves["results"].get(("datastates", rank))
+        assert datastates == ["DataStatesCheckpointEngine", ["a"]], datastates
 
 
 # ----- the ranks -------------------------------------------------------------------------------------------------
@@ -200,11 +208,11 @@ def _state(engine):
                 global_steps=engine.global_steps)
 
 
-def _engine(job, writer=None):
+def _engine(job, writer=None, **config):
     import deepspeed
     from unit.checkpoint.zero_resume_helpers import make_config, make_engine
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=TRIAL_TIMEOUT_S * 2 // 3))
-    config = make_config(job["stage"], job["precision"])
+    config = dict(make_config(job["stage"], job["precision"]), **config)
     if writer:
         config["checkpoint"] = {"writer": writer}
     return make_engine(config)
@@ -275,38 +283,88 @@ def _resave(job):
 
 
 def _decoupled(job):
-    """The decoupled engine writes in the background and commits at the next step: `latest` names the tag only
-    then. Returns the save_dir's listing after save_checkpoint and after the step, or the load's mismatch."""
-    from unit.checkpoint.zero_resume_helpers import assert_same, train
+    """The decoupled engine: save tags "a" and "b" before a step, train a step, save "c" and clean up without one.
+    Returns the save_dir's listing, where each tag's folder holds this rank's optimizer file."""
+    from unit.checkpoint.zero_resume_helpers import train
     save_dir = os.path.join(job["dir"], "ckpt")
     engine = _engine(job, dict(type="python", decoupled=True))
+    train(engine, 1)
+    engine.save_checkpoint(save_dir, tag="a")
+    engine.save_checkpoint(save_dir, tag="b")
+    train(engine, 1)
+    engine.save_checkpoint(save_dir, tag="c")
+    engine.checkpoint_engine.cleanup()
+    return [name for name in sorted(os.listdir(save_dir)) if name == "latest" or _own_files(save_dir, name)]
+
+
+def _own_files(save_dir, tag):
+    import deepspeed.comm as dist
+    return glob.glob(os.path.join(save_dir, tag, f"*rank_{dist.get_rank()}_*optim_states.pt"))
+
+
+def _datastates(job):
+    """DataStates (a stand-in for its module: synchronous torch.save) saves tag "a": returns the engine's name and
+    the tags whose folders hold this rank's files, after checking that "a" loads exactly."""
+    import types
+    from unit.checkpoint.zero_resume_helpers import assert_same, train
+
+    class StandIn:
+
+        def __init__(self, config, rank):
+            pass
+
+        def save(self, state_dict, path):
+            torch.save(state_dict, path)
+
+        def load(self, path, map_location=None):
+            return torch.load(path, map_location=map_location, weights_only=False)
+
+        def wait(self, persist=True):
+            pass
+
+    sys.modules["datastates"] = types.SimpleNamespace(CheckpointEngine=StandIn)
+    engine = _engine(job, datastates_ckpt={})
     train(engine, 2)
     saved = _state(engine)
+    save_dir = os.path.join(job["dir"], "ckpt")
     engine.save_checkpoint(save_dir, tag="a")
-    listings = [_latest_and_folders(save_dir)]
     train(engine, 1)
-    listings.append(_latest_and_folders(save_dir))
-    resumed = _engine(job)
-    resumed.load_checkpoint(save_dir)
+    resumed = _engine(job, datastates_ckpt={})
+    resumed.load_checkpoint(save_dir, tag="a")
     assert_same(_state(resumed), saved)
-    engine.checkpoint_engine.cleanup()
-    return listings
-
-
-def _latest_and_folders(save_dir):
-    latest = os.path.join(save_dir, "latest")
-    return [open(latest).read() if os.path.exists(latest) else None, sorted(next(os.walk(save_dir))[1])]
+    return [
+        type(engine.checkpoint_engine).__name__, [t for t in sorted(os.listdir(save_dir)) if _own_files(save_dir, t)]
+    ]
 
 
 def _unshared(job):
-    """Each rank saves tags "a" and "b" to a save_dir of its own, as if on a node that does not share it."""
+    """Each rank saves tag "a" twice, a step apart, to a save_dir of its own, as if on a node that does not share
+    it. Returns the save_dir's entries named a* if "a" holds the second save, else the step it holds."""
+    import deepspeed.comm as dist
+    from unit.checkpoint.zero_resume_helpers import train
+    engine = _engine(job)
+    save_dir = os.path.join(job["dir"], f"rank{dist.get_rank()}")
+    for _ in range(2):
+        train(engine, 1)
+        engine.save_checkpoint(save_dir, tag="a")
+    saved = torch.load(os.path.join(save_dir, "a", f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_model_states.pt"),
+                       weights_only=False)["global_steps"]
+    return [t for t in sorted(os.listdir(save_dir)) if t.startswith("a")] if saved == engine.global_steps else saved
+
+
+def _per_rank(job):
+    """Each rank saves tag "a" to a save_dir of its own, then tag "t<rank>" to a shared one: returns the tags
+    whose folders hold this rank's files in each."""
     import deepspeed.comm as dist
     from unit.checkpoint.zero_resume_helpers import train
     engine = _engine(job)
     train(engine, 1)
-    for tag in ("a", "b"):
-        engine.save_checkpoint(os.path.join(job["dir"], f"rank{dist.get_rank()}"), tag=tag)
-    return "saved"
+    own, shared = os.path.join(job["dir"], f"rank{dist.get_rank()}"), os.path.join(job["dir"], "shared")
+    engine.save_checkpoint(own, tag="a")
+    engine.save_checkpoint(shared, tag=f"t{dist.get_rank()}")
+    dist.barrier()
+    return [[t for t in sorted(os.listdir(d)) if glob.glob(os.path.join(d, t, "*model_states.pt"))]
+            for d in (own, shared)]
 
 
 def _load(job):
@@ -330,7 +388,13 @@ def _run_job(job):
     """In a forked child: run the job, print its RESULT (or the error), and exit without cleanup."""
     os.environ.update(MASTER_PORT=str(job["port"]), **job.get("env", {}))
     os.makedirs(job["dir"], exist_ok=True)
-    run = dict(save=_save, load=_load, resave=_resave, unshared=_unshared, decoupled=_decoupled)
+    run = dict(save=_save,
+               load=_load,
+               resave=_resave,
+               unshared=_unshared,
+               per_rank=_per_rank,
+               decoupled=_decoupled,
+               datastates=_datastates)
     try:
         result = run[job.get("run", job["name"])](job)
     except BaseException as exc:  # noqa: B036 (a peer's death raises in the collective this rank waits in)
