@@ -3,22 +3,22 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Time of save_checkpoint, pristine DeepSpeed 0.19.8 beside 0.19.8 with patch 0034 alone (the pull request's
+"""Time of save_checkpoint, pristine DeepSpeed 0.19.8 beside 0.19.8 with patch 0027 alone (the pull request's
 branch), with and without its fsync calls, in one run.
 
 Each variant runs in 2 fresh rank processes (CPU accelerator, gloo): a ZeRO-3 fp32 TinyMLP (torch Adam) trains
 one step, saves once to warm up, then saves --saves times under new tags, each after a sync(); a save's time is
 the slowest rank's wall time of save_checkpoint, and the table gives the median and the range, and the time
-spent inside os.fsync (the slowest rank's; 0.19.8 calls none). "+ 0034, fsync off" is the patched tree with
-os.fsync replaced by a no-op in its ranks: the difference to "+ 0034" is what making the files, the folders and
+spent inside os.fsync (the slowest rank's; 0.19.8 calls none). "+ 0027, fsync off" is the patched tree with
+os.fsync replaced by a no-op in its ranks: the difference to "+ 0027" is what making the files, the folders and
 `latest` durable costs; the difference to 0.19.8 also holds the staging folder, its renames and three barriers.
 The variants run in turn, --rounds times, so that drift in the machine's load spreads over all of them.
 
     .venv/bin/python bench/checkpoint_save_cost.py                  # ~25M params (300 MB per save), ~2 minutes
     .venv/bin/python bench/checkpoint_save_cost.py --hidden 512     # ~1.6M params
 
-pristine/ must exist (`make pristine`); the patched tree is made beside it, in .cache/pristine+0034/, by `git
-apply` of patches/0034-*.patch. --dir sets where the checkpoints go (the file system under test; default: a
+pristine/ must exist (`make pristine`); the patched tree is made beside it, in .cache/pristine+0027/, by `git
+apply` of patches/0027-*.patch. --dir sets where the checkpoints go (the file system under test; default: a
 temporary folder under /tmp).
 """
 
@@ -35,11 +35,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' model, configs and environment helpers
-PATCHED = ".cache/pristine+0034"
+PATCHED = ".cache/pristine+0027"
 VARIANTS = {
     "0.19.8": ("pristine", False),
-    "0.19.8 + 0034": (PATCHED, False),
-    "0.19.8 + 0034, fsync off": (PATCHED, True)
+    "0.19.8 + 0027": (PATCHED, False),
+    "0.19.8 + 0027, fsync off": (PATCHED, True)
 }
 
 
@@ -85,11 +85,11 @@ def rank_main(args):
 
 
 def make_patched_tree():
-    """0.19.8 with patch 0034 alone, at a fixed path (its JIT-op cache stays valid across runs)."""
+    """0.19.8 with patch 0027 alone, at a fixed path (its JIT-op cache stays valid across runs)."""
     tree = ROOT / PATCHED
     subprocess.run(["rm", "-rf", str(tree)], check=True)
     subprocess.run(["cp", "-r", str(ROOT / "pristine"), str(tree)], check=True)
-    patch = next((ROOT / "patches").glob("0034-*.patch"))
+    patch = next((ROOT / "patches").glob("0027-*.patch"))
     subprocess.run(["git", "apply", "--directory", PATCHED, str(patch)], cwd=ROOT, check=True)
 
 

@@ -11,7 +11,8 @@ in order, in patches/series. Upstream files are never committed: they are materi
             apply every patch of the series as its own commit
   export    write the commits after `upstream` back to patches/ (format-patch) and patches/series
   check     the series applies cleanly to pristine upstream, each patch also with only the patches its
-            `Depends on` line needs, and fork/ holds nothing unexported
+            `Depends on` line needs, no patch leaves a function or class it adds without a caller outside tests
+            (patchtool/callers.py), and fork/ holds nothing unexported
   pristine  unpack upstream, unpatched, into pristine/ (for A/B runs: PYTHONPATH=pristine)
   branches  in a checkout of upstream DeepSpeed, write one branch per patch, on the base plus the patches its
             `Depends on` line needs (transitively, each its own branch's commit, in series order): the patch

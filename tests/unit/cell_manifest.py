@@ -119,16 +119,17 @@ CELLS = {
     # 0016: ZeRO-1/2 optimizer-state fragments linked for every param group
     HP_LINK: dict(feature="hp-link", checkpoint="-"),
     f"{HP_LINK}::TestZero12HpLinkParamGroups::test_readable_right_after_a_load": dict(checkpoint="rigid"),
-    # 0021: ZeRO-3 rigid loads at the saved tensor-parallel size (0030 loads them at another)
+    # 0018: ZeRO-3 rigid loads at the saved tensor-parallel size (0023 loads them at another)
     LAYOUT_REFUSALS: dict(feature="resume", stage=3, checkpoint="rigid (refused)"),
     f"{LAYOUT_REFUSALS}::TestZero3SavedTensorParallelSize": dict(precision="fp32", layout="tp2xdp1",
                                                                   checkpoint="rigid"),
     f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize": dict(precision="bf16"),
     f"{LAYOUT_REFUSALS}::TestZero3SavedModelParallelSize::test_recorded_sequence_parallel_degree_loads":
         dict(precision="bf16", checkpoint="rigid"),
-    # 0022: the reader of a rigid ZeRO-3 checkpoint's partitions by parameter name (no process group)
+    # 0019: ZeRO-3 direct resume at another data-parallel size: its reader of a rigid checkpoint's partitions by
+    # parameter name (no process group)
     READER: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid", layout="dp1-9->dp1-9"),
-    # 0023: ZeRO-3 direct resume at another data-parallel size (layout from the tests' `layout` argument)
+    # 0019: its engine route (layout from the tests' `layout` argument)
     RESHARD: dict(feature="direct-reshard", stage=3, checkpoint="rigid"),
     f"{RESHARD}::TestZero3Reshard::test_every_parameter_trainable": dict(precision="bf16", settings="nothing frozen"),
     f"{RESHARD}::TestZero3ReshardSettings": dict(precision="bf16"),
@@ -142,23 +143,23 @@ CELLS = {
     f"{RESHARD}::TestZero3ReshardRefused::test_nvme_offload":
         dict(precision="bf16", offload="nvme", checkpoint="rigid (refused)"),
     f"{RESHARD}::TestZero3ReshardSerialLoad": dict(feature="serial-load", precision="bf16"),
-    # 0024: ZeRO-3 loads that restore no masters read only this rank's partition
+    # 0020: ZeRO-3 loads that restore no masters read only this rank's partition
     OWN_PARTITION: dict(feature="resume", stage=3, precision="bf16", checkpoint="rigid"),
-    # 0025: ZeRO-3 restore by name after a trainable-set, sub_group_size or param-group change (layout from the tests'
+    # 0021: ZeRO-3 restore by name after a trainable-set, sub_group_size or param-group change (layout from the tests'
     # `layout` argument: the saved data-parallel size, or another)
     LAYOUT_CHANGE: dict(feature="resume", stage=3, precision="bf16", checkpoint="rigid"),
     f"{LAYOUT_CHANGE}::TestZero3LayoutChange::test_trainable_set_change": dict(settings="trainable set changed"),
     f"{LAYOUT_CHANGE}::TestZero3LayoutChange::test_sub_group_size_change_at_the_saved_size":
         dict(layout="dp2", settings="sub_group_size=100 (loaded)"),
     f"{LAYOUT_CHANGE}::TestZero3ParamGroupHyperparameters": dict(settings="param groups changed"),
-    # 0026: ZeRO-1/2 and BF16_Optimizer resume a rigid checkpoint at another data-parallel size (stage, precision
+    # 0022: ZeRO-1/2 and BF16_Optimizer resume a rigid checkpoint at another data-parallel size (stage, precision
     # and layout from the tests' arguments)
     ZERO12_RESHARD: dict(feature="direct-reshard", checkpoint="rigid"),
     f"{ZERO12_RESHARD}::TestZero12Reshard::test_cpu_optimizer_offload": dict(offload="cpu"),
     f"{ZERO12_RESHARD}::TestZero12Reshard::test_param_groups_and_a_frozen_layer":
         dict(settings="param groups, frozen layer"),
     f"{ZERO12_RESHARD}::TestZero12ReshardRefused": dict(stage=2, precision="bf16", checkpoint="rigid (refused)"),
-    # 0030: ZeRO-3 + AutoTP resume a rigid checkpoint at another tensor-parallel size (layout and settings from the
+    # 0023: ZeRO-3 + AutoTP resume a rigid checkpoint at another tensor-parallel size (layout and settings from the
     # tests' arguments)
     TP_RESHARD: dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid"),
     f"{TP_RESHARD}::TestZero3TensorParallelChangeRefusals": dict(layout="tp2xdp1 -> tp1xdp2",
@@ -167,12 +168,12 @@ CELLS = {
         dict(settings="frozen layer, sub_group_size=100"),
     f"{TP_RESHARD}::TestZero3TensorParallelChangeOneRankRefuses":
         dict(layout="tp1xdp2 -> tp2xdp1", settings="frozen layer", checkpoint="rigid (refused)"),
-    # 0031: AutoTP resume at the saved tensor-parallel size under another partition_config
+    # 0024: AutoTP resume at the saved tensor-parallel size under another partition_config
     TP_LAYOUT:
         dict(feature="direct-reshard", stage=3, precision="fp32", checkpoint="rigid", layout="tp2 -> tp2 (re-split)"),
     f"{TP_LAYOUT}::TestZero2AnotherTensorParallelLayoutRefused": dict(stage=2, checkpoint="rigid (refused)"),
     f"{TP_LAYOUT}::TestFirstTensorParallelMapChange": dict(layout="tp2 -> tp2 (maps only, no ranks)"),
-    # 0032: under zero.Init, the parameters AutoTP leaves whole are partitioned over the data-parallel group
+    # 0025: under zero.Init, the parameters AutoTP leaves whole are partitioned over the data-parallel group
     ZERO_INIT_LAYOUT: dict(feature="zero.Init autotp", stage=3, precision="fp32", layout="tp2xdp1"),
     f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitLayout::test_partitioned_over_data_parallel[bf16_clipping]":
         dict(precision="bf16", settings="gradient_clipping=1.0"),
@@ -184,11 +185,11 @@ CELLS = {
     f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitCheckpointConverts":
         dict(checkpoint="universal", layout="tp2xdp1 -> tp1xdp2"),
     f"{ZERO_INIT_LAYOUT}::TestAutoTPZeroInitKeptLayout": dict(checkpoint="rigid (kept layout; refused otherwise)"),
-    # 0033: zero.Init AutoTP checkpoints at another tensor-parallel size
+    # 0026: zero.Init AutoTP checkpoints at another tensor-parallel size
     ZERO_INIT_TP: dict(feature="direct-reshard zero.Init", stage=3, precision="fp32", checkpoint="rigid"),
     f"{ZERO_INIT_TP}::TestZero3TensorParallelKeptZeroInitLayout":
         dict(layout="tp2 -> tp2", checkpoint="rigid (kept layout; refused otherwise)"),
-    # 0034: a rank killed during save_checkpoint leaves `latest` naming a whole checkpoint (the kill trials cover
+    # 0027: a rank killed during save_checkpoint leaves `latest` naming a whole checkpoint (the kill trials cover
     # ZeRO-0/1/2/3 and bf16 too; the cell is their first, DeepSpeed's defaults)
     CRASH: dict(feature="crash-consistent save", stage=3, precision="fp32", checkpoint="rigid"),
     f"{CRASH}::test_saving_again_at_another_world_size_leaves_no_file_of_the_earlier_save":

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """`check` and `style`: the series applies to pristine upstream, each patch also on only what its `Depends on`
 needs, its files in upstream's style; fork/ holds nothing unexported."""
 
@@ -10,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .callers import uncalled_definitions
 from .common import PatchError, ROOT, UPSTREAM_DIFFS, UPSTREAM_TAG, git, patch_number, pin, read_series, series_message
 from .sdist import init_upstream_repo, unpack
 from .fork import apply_series, unexported
@@ -65,6 +68,7 @@ def cmd_check(args):
         init_upstream_repo(scratch)
         try:
             apply_series(scratch, args.patches)
+            problems += uncalled_definitions(scratch, [p.name for p in read_series(args.patches)])
         except PatchError as err:
             problems.append(f"series does not apply to pristine {pin()['version']}: {err}")
         problems += dependency_problems(scratch, read_series(args.patches))
@@ -79,8 +83,10 @@ def cmd_check(args):
     if problems:
         print("patch check FAILED:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
         return 1
-    print(f"patch check ok: {len(read_series(args.patches))} patches apply to pristine {pin()['version']}, each "
-          f"also on it with only the patches its `Depends on` needs" + ("; fork/ is in sync" if fork.exists() else ""))
+    print(
+        f"patch check ok: {len(read_series(args.patches))} patches apply to pristine {pin()['version']}, each "
+        f"also on it with only the patches its `Depends on` needs, and each leaves nothing it adds without a caller" +
+        ("; fork/ is in sync" if fork.exists() else ""))
     return 0
 
 

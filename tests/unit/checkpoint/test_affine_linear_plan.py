@@ -12,14 +12,12 @@ full tensor the way stage 3 cuts them, so a wrong map and a wrong plan cannot ag
 """
 
 import random
-import types
 
 import pytest
 import torch
 
 from deepspeed.checkpoint import affine_transfer
-from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, contiguous_split_map, replicated_map,
-                                         zero_partition_map, zero_partition_sizes)
+from deepspeed.checkpoint.affine import AffinePiece, ParamAffineMap, contiguous_split_map, replicated_map
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget,
                                                   UnsupportedLayoutError, plan_transfer)
 from unit.checkpoint.affine_plan_helpers import apply_plan, zero3_buffers
@@ -58,32 +56,19 @@ def _sweep_taken(target_map, source_map, limits=None):
 # ZeRO-3 maps.
 
 
-def test_zero_partition_map_is_stage3_partitioning():
-    from deepspeed.runtime.zero.partition_parameters import Init
-    for numel in (0, 1, 3, 5, 35, 8192, 8193):
-        for world_size in (1, 2, 3, 4, 5, 7, 8, 16):
-            stub = types.SimpleNamespace(_partition_world_size=lambda param: world_size)
-            stub._padding_size = lambda param: Init._padding_size(stub, param)
-            partition = Init._aligned_size(stub, types.SimpleNamespace(ds_numel=numel)) // world_size
-            sizes = zero_partition_sizes(numel, world_size)
-            # _partition_param copies [r * partition, (r + 1) * partition) clipped to the parameter.
-            assert sizes == [len(range(numel)[rank * partition:(rank + 1) * partition]) for rank in range(world_size)]
-            built = zero_partition_map(numel, world_size)
-            assert built.to_dict() == contiguous_split_map((numel, ), sizes, 0).to_dict()
-            built.validate_coverage()
-
-
-@pytest.mark.parametrize('numel,world_size', [(5, 0), (5, -1), (-1, 2)])
-def test_zero_partition_sizes_refuses_an_impossible_partition(numel, world_size):
-    with pytest.raises(ValueError, match='ZeRO-3 partition'):
-        zero_partition_sizes(numel, world_size)
+def zero3_map(numel, world_size):
+    """A ZeRO-3 partition as a one-axis map: ``ceil(numel / N)`` elements per rank from rank 0 on, the last
+    ranks short or empty (``zero3_buffers`` cuts the buffers the same way)."""
+    partition = -(-numel // world_size)
+    sizes = [max(0, min(partition, numel - rank * partition)) for rank in range(world_size)]
+    return contiguous_split_map((numel, ), sizes, 0)
 
 
 @pytest.mark.parametrize('degrees', [(4, 3), (3, 4), (1, 5)], ids=str)
 def test_an_empty_parameter_plans_to_nothing(degrees):
-    plan = plan_transfer(zero_partition_map(0, degrees[1]), zero_partition_map(0, degrees[0]))
+    plan = plan_transfer(zero3_map(0, degrees[1]), zero3_map(0, degrees[0]))
     assert plan.segments == () and plan.moved_elements == 0
-    assert _outcome(zero_partition_map(0, degrees[1]), zero_partition_map(0, degrees[0]), general=True)[0] == 'plan'
+    assert _outcome(zero3_map(0, degrees[1]), zero3_map(0, degrees[0]), general=True)[0] == 'plan'
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
@@ -99,7 +84,7 @@ def test_zero3_reshard_matches_direct_partition(shape, degrees, dtype):
         for rank, buffer in enumerate(zero3_buffers(full.view(-1), target_degree, 0))
     }
 
-    plan = plan_transfer(zero_partition_map(numel, target_degree), zero_partition_map(numel, source_degree))
+    plan = plan_transfer(zero3_map(numel, target_degree), zero3_map(numel, source_degree))
     apply_plan(plan, sources, targets)
 
     expected = zero3_buffers(full.view(-1), target_degree, 0)
@@ -117,7 +102,7 @@ FAST_CASES = [(numel, source, target) for numel in (1, 5, 35, 97) for source, ta
 
 def _split_pieces(numel, world_size):
     """A ZeRO-3 map whose ranks each hold their run as two adjacent pieces, so coalescing has work."""
-    built = zero_partition_map(numel, world_size)
+    built = zero3_map(numel, world_size)
     for rank, pieces in built.pieces_by_rank.items():
         if pieces and pieces[0].numel > 1:
             piece, half = pieces[0], pieces[0].numel // 2
@@ -131,7 +116,7 @@ def _split_pieces(numel, world_size):
 @pytest.mark.parametrize('split', [False, True])
 @pytest.mark.parametrize('numel,source,target', FAST_CASES)
 def test_fast_path_gives_the_general_paths_plan(numel, source, target, split):
-    build = _split_pieces if split else zero_partition_map
+    build = _split_pieces if split else zero3_map
     source_map, target_map = build(numel, source), build(numel, target)
     assert _sweep_taken(target_map, source_map)
     fast = plan_transfer(target_map, source_map)
@@ -142,14 +127,14 @@ def test_fast_path_gives_the_general_paths_plan(numel, source, target, split):
 
 
 def test_fast_path_leaves_invalid_and_replicated_maps_to_the_general_path():
-    gap = zero_partition_map(10, 2)
+    gap = zero3_map(10, 2)
     gap.pieces_by_rank[1] = [AffinePiece((4, ), 6, (1, ), 1, (1, ), [1])]
     with pytest.raises(InvalidMapError):
-        plan_transfer(zero_partition_map(10, 3), gap)
+        plan_transfer(zero3_map(10, 3), gap)
     assert affine_transfer._intervals(gap, PlanBudget()) is None
     replicated = replicated_map((10, ), 2)
     assert affine_transfer._intervals(replicated, PlanBudget()) is None
-    plan = plan_transfer(zero_partition_map(10, 3), replicated)
+    plan = plan_transfer(zero3_map(10, 3), replicated)
     assert plan.statistics.pair_checks == 3, 'a replicated source must be planned by the general path'
 
 
@@ -157,7 +142,7 @@ def test_fast_path_leaves_invalid_and_replicated_maps_to_the_general_path():
 def test_large_data_parallel_degrees_plan_under_the_default_budget(degrees):
     source, target = degrees
     numel = 1 << 22
-    plan = plan_transfer(zero_partition_map(numel, target), zero_partition_map(numel, source))
+    plan = plan_transfer(zero3_map(numel, target), zero3_map(numel, source))
     assert plan.moved_elements == numel
     assert len(plan.segments) <= source + target - 1
     cursor = 0
@@ -302,7 +287,7 @@ def _merge_heavy_maps():
         0: [AffinePiece((2, ), start, (1, ), offset, (1, ), [0]) for start, offset in runs],
         1: [AffinePiece((4, ), 8, (1, ), 0, (1, ), [1])]
     })
-    return source, zero_partition_map(12, 2)
+    return source, zero3_map(12, 2)
 
 
 def _budget(**field):
@@ -363,6 +348,6 @@ def test_every_budget_field_at_its_limit_and_one_over(path):
 
 def test_the_sweep_counts_pair_checks_as_it_goes():
     """Refused on the first intersection past the limit, not after building every copy."""
-    source_map, target_map = zero_partition_map(1 << 20, 4096), zero_partition_map(1 << 20, 3072)
+    source_map, target_map = zero3_map(1 << 20, 4096), zero3_map(1 << 20, 3072)
     with pytest.raises(AffineTransferError, match='intersections exceed max_pair_checks 10'):
         plan_transfer(target_map, source_map, PlanBudget(max_pair_checks=10))

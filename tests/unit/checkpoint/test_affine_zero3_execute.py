@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-from deepspeed.checkpoint.affine import zero3_flat_layout, zero_partition_map, zero_partition_sizes
+from deepspeed.checkpoint.affine import (contiguous_split_map, zero3_flat_layout, zero_partition_map,
+                                         zero_partition_sizes)
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget, PlanCache,
                                                   TransferSegment, UnsupportedLayoutError, copy_segments,
                                                   plan_transfer)
@@ -24,6 +25,27 @@ DEGREES = [(4, 3), (4, 2), (2, 4), (4, 8), (3, 7), (1, 5), (5, 1), (3, 3)]
 NUMELS = [35, 1, 7, 0, 64 * 128, 3]  # one element leaves most ranks nothing but padding; none, nothing at all
 POISON = float('nan')
 SENTINEL = -7.0
+
+
+def test_zero_partition_map_is_stage3_partitioning():
+    from deepspeed.runtime.zero.partition_parameters import Init
+    for numel in (0, 1, 3, 5, 35, 8192, 8193):
+        for world_size in (1, 2, 3, 4, 5, 7, 8, 16):
+            stub = types.SimpleNamespace(_partition_world_size=lambda param: world_size)
+            stub._padding_size = lambda param: Init._padding_size(stub, param)
+            partition = Init._aligned_size(stub, types.SimpleNamespace(ds_numel=numel)) // world_size
+            sizes = zero_partition_sizes(numel, world_size)
+            # _partition_param copies [r * partition, (r + 1) * partition) clipped to the parameter.
+            assert sizes == [len(range(numel)[rank * partition:(rank + 1) * partition]) for rank in range(world_size)]
+            built = zero_partition_map(numel, world_size)
+            assert built.to_dict() == contiguous_split_map((numel, ), sizes, 0).to_dict()
+            built.validate_coverage()
+
+
+@pytest.mark.parametrize('numel,world_size', [(5, 0), (5, -1), (-1, 2)])
+def test_zero_partition_sizes_refuses_an_impossible_partition(numel, world_size):
+    with pytest.raises(ValueError, match='ZeRO-3 partition'):
+        zero_partition_sizes(numel, world_size)
 
 
 def _stage3_partition_numel(numel, world_size):

@@ -10,16 +10,16 @@ one, then ZeRO-3 over the flattened shard with global rank ``dp_rank * tp_size +
 a map. Saved partitions carry NaN padding, so a copy that reads padding cannot go unnoticed.
 """
 
+import math
 import random
 
 import pytest
 import torch
 
-from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, block_gather_map, contiguous_split_map,
-                                         replicated_map, segmented_map, sub_param_map, zero_partition_of_shards)
+from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, _flat_range_boxes, block_gather_map,
+                                         contiguous_split_map, replicated_map, segmented_map, sub_param_map)
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget, PlanCache,
-                                                  UnsupportedLayoutError, copy_segments, plan_transfer,
-                                                  plan_zero3_reshard_for_rank)
+                                                  UnsupportedLayoutError, copy_segments, plan_zero3_reshard_for_rank)
 from unit.checkpoint.affine_plan_helpers import zero3_buffers
 
 POISON = float('nan')
@@ -139,9 +139,8 @@ def test_each_rank_reads_only_the_saved_partitions_it_needs(layout, source, targ
 
 
 def test_replicas_laid_out_differently_are_planned():
-    """zero_partition_of_shards refuses such replicas (their DP partitions do not line up); per rank each is read
-    from one holder, with that holder's own layout: TP rank 1 of the target reads saved TP rank 1, which holds
-    the vector's halves swapped."""
+    """Replicas whose DP partitions do not line up: per rank each is read from one holder, with that holder's own
+    layout: TP rank 1 of the target reads saved TP rank 1, which holds the vector's halves swapped."""
     length, half = 7, 3
     pieces = {
         0: [
@@ -154,8 +153,6 @@ def test_replicas_laid_out_differently_are_planned():
         ]
     }
     swapped_halves = ParamAffineMap((length, ), {0: (length, ), 1: (length, )}, pieces)
-    with pytest.raises(ValueError, match='lays it out differently'):
-        zero_partition_of_shards(swapped_halves, 2)
     full = torch.randn(length)
     shards = [full, torch.cat([full[half:], full[:half]])]
     for source_dp, target_dp in ((2, 3), (3, 2), (2, 1)):
@@ -211,13 +208,11 @@ def test_other_builders_are_exact(layout, source, target):
         assert torch.equal(copy_segments(segments, saved.__getitem__, torch.zeros_like(want), rank), want)
 
 
-def test_plans_where_the_pairwise_reference_is_refused():
-    """TP2 x DP96 -> TP4 x DP64 (192 saved ranks): the pairwise plan of the two zero_partition_of_shards maps
-    exhausts the default budget; each of the 256 loading ranks plans its own copies from the TP maps alone."""
+def test_large_grids_plan_per_rank_under_the_default_budget():
+    """TP2 x DP96 -> TP4 x DP64 (192 saved ranks): each of the 256 loading ranks plans its own copies from the TP
+    maps alone, under the default budget."""
     shape = (4096, 1024)
     source_map, target_map = _tp_map(shape, 'rows', 2), _tp_map(shape, 'rows', 4)
-    with pytest.raises(AffineTransferError, match='max_pair_checks'):
-        plan_transfer(zero_partition_of_shards(target_map, 64), zero_partition_of_shards(source_map, 96))
     partition = shape[0] * shape[1] // 4 // 64
     for rank in range(4 * 64):
         segments = plan_zero3_reshard_for_rank(source_map, 96, target_map, 64, rank)
@@ -289,3 +284,22 @@ def test_what_cannot_be_planned_is_refused():
         plan_zero3_reshard_for_rank(vector, 4, vector, 1, 0, PlanBudget(max_segments=2))
     with pytest.raises(AffineTransferError, match='over max_plan_bytes 100'):
         plan_zero3_reshard_for_rank(vector, 4, vector, 1, 0, PlanBudget(max_plan_bytes=100))
+
+
+def test_flat_range_boxes_tile_each_range_in_order():
+    """The boxes a DP range of a flattened TP shard falls into: each one run of the shard, in order, covering the
+    range exactly, at most 2 * ndim - 1 of them."""
+    shape = (3, 4, 5)
+    numel = math.prod(shape)
+    strides = (20, 5, 1)
+    for start in range(numel):
+        for stop in range(start + 1, numel + 1):
+            boxes = _flat_range_boxes(shape, start, stop)
+            assert len(boxes) <= 2 * len(shape) - 1
+            cursor = start
+            for origin, extent in boxes:
+                assert sum(at * stride for at, stride in zip(origin, strides)) == cursor
+                last = [at + size - 1 for at, size in zip(origin, extent)]
+                assert sum(at * stride for at, stride in zip(last, strides)) == cursor + math.prod(extent) - 1
+                cursor += math.prod(extent)
+            assert cursor == stop
