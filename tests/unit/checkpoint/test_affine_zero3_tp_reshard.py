@@ -16,10 +16,11 @@ import random
 import pytest
 import torch
 
-from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, _flat_range_boxes, block_gather_map,
-                                         contiguous_split_map, replicated_map, segmented_map, sub_param_map)
+from deepspeed.checkpoint.affine import (AffinePiece, ParamAffineMap, block_gather_map, contiguous_split_map,
+                                         replicated_map, segmented_map, sub_param_map)
 from deepspeed.checkpoint.affine_transfer import (AffineTransferError, InvalidMapError, PlanBudget, PlanCache,
-                                                  UnsupportedLayoutError, copy_segments, plan_zero3_reshard_for_rank)
+                                                  UnsupportedLayoutError, _flat_range_boxes, copy_segments,
+                                                  plan_zero3_reshard_for_rank)
 from unit.checkpoint.affine_plan_helpers import zero3_buffers
 
 POISON = float('nan')
@@ -298,8 +299,35 @@ def test_flat_range_boxes_tile_each_range_in_order():
             assert len(boxes) <= 2 * len(shape) - 1
             cursor = start
             for origin, extent in boxes:
+                assert all(0 <= at and at + size <= dim for at, size, dim in zip(origin, extent, shape))
                 assert sum(at * stride for at, stride in zip(origin, strides)) == cursor
                 last = [at + size - 1 for at, size in zip(origin, extent)]
                 assert sum(at * stride for at, stride in zip(last, strides)) == cursor + math.prod(extent) - 1
                 cursor += math.prod(extent)
             assert cursor == stop
+
+
+def test_rank_numbering_is_deepspeeds(monkeypatch):
+    """AutoTP's groups number global rank dp_rank * tp + tp_rank (the DP group of TP rank t is {t, t + tp, ...}),
+    and the planner fills that rank with DP partition dp_rank of TP shard tp_rank."""
+    from deepspeed.utils import groups
+    made = []
+    monkeypatch.setattr(groups.dist, 'get_world_size', lambda *args, **kwargs: 6)
+    monkeypatch.setattr(groups.dist, 'get_rank', lambda *args, **kwargs: 0)
+    monkeypatch.setattr(groups.dist, 'new_group', lambda ranks: made.append(list(ranks)) or tuple(ranks))
+    for name in ('_DATA_PARALLEL_GROUP', '_MODEL_PARALLEL_GROUP', '_TENSOR_MODEL_PARALLEL_GROUP'):
+        monkeypatch.setattr(groups, name, None)
+    groups._init_tp_groups_with_new_group(tensor_model_parallel_size=2, data_parallel_size=3)
+    data_parallel_groups, tensor_parallel_groups = made[:2], made[2:]
+    assert tensor_parallel_groups == [[0, 1], [2, 3], [4, 5]]
+    full = torch.randn(4, 3)
+    tp_map = _tp_map((4, 3), 'rows', 2)
+    saved = _zero3_partitions(full, 'rows', 2, 3, POISON)
+    for tp_rank, ranks in enumerate(data_parallel_groups):
+        for dp_rank, rank in enumerate(ranks):
+            assert rank == dp_rank * 2 + tp_rank
+            segments = plan_zero3_reshard_for_rank(tp_map, 3, tp_map, 3, rank)
+            assert {segment.source_rank for segment in segments} == {rank}  # an unchanged layout reads its own file
+            # TP rank t holds rows 2t and 2t + 1; DP rank d holds elements [2d, 2d + 2) of them.
+            want = full[2 * tp_rank:2 * tp_rank + 2].reshape(-1)[2 * dp_rank:2 * dp_rank + 2]
+            assert torch.equal(copy_segments(segments, saved.__getitem__, torch.zeros(2), rank), want)
