@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from deepspeed.checkpoint.affine import contiguous_split_map, zero_partition_map
+from deepspeed.checkpoint.affine import contiguous_split_map
 from deepspeed.checkpoint import affine_transfer
 from deepspeed.checkpoint.affine_transfer import PlanBudget, plan_transfer
 
@@ -64,6 +64,13 @@ def timed(planner, repeats, cap_s):
         if sum(samples) > cap_s:
             break
     return f'{statistics.median(samples) * 1e3:.2f}', plan
+
+
+def zero_partition_map(numel, world_size):
+    """ZeRO-3's partition as a one-axis map, built here so that the script also runs on 0017's branch alone."""
+    partition = -(-numel // world_size)
+    return contiguous_split_map((numel, ),
+                                [max(0, min(partition, numel - rank * partition)) for rank in range(world_size)], 0)
 
 
 def tp_rows(shape, tp):

@@ -80,3 +80,43 @@ def test_a_series_whose_additions_are_all_called_passes(tmp_path):
     new_module = "def plan(sizes):\n    return sorted(sizes)\n"
     caller = "from .planner import plan\n" + UPSTREAM.replace("open(path).read()", "plan(open(path).read())")
     assert _series(tmp_path, {"deepspeed/planner.py": new_module, "deepspeed/io.py": caller}) == []
+
+
+def test_a_call_upstream_already_made_is_no_caller_of_a_new_method(tmp_path):
+    """Upstream's `handle.close()` existed before the series: it cannot be the caller of a new Reader.close."""
+    upstream = UPSTREAM.replace("return open(path).read()", "handle = open(path)\n    handle.close()")
+    patched = upstream.replace("handle.close()", "handle.close()\n    return Reader().read()") + '''
+
+class Reader:
+
+    def read(self):
+        return self
+
+    def close(self):
+        return None
+'''
+    repo = tmp_path / "tree"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    _commit(repo, {"deepspeed/io.py": upstream}, "upstream")
+    subprocess.run(["git", "-C", str(repo), "tag", "upstream"], check=True)
+    _commit(repo, {"deepspeed/io.py": patched}, "patch 1")
+    problems = uncalled_definitions(repo, ["0001-p.patch"])
+    assert [problem.split(" has no caller")[0]
+            for problem in problems] == ["0001-p.patch: Reader.close (deepspeed/io.py)"]
+
+
+def test_defaults_aliases_and_nested_definitions_are_callers(tmp_path):
+    new_module = '''def _key(item):
+    return item
+
+
+def plan(sizes, key=_key):
+    def by_size(item):
+        return key(item)
+
+    return sorted(sizes, key=by_size)
+'''
+    caller = "from .planner import plan as make_plan\n" + UPSTREAM.replace("open(path).read()",
+                                                                           "make_plan(open(path).read())")
+    assert _series(tmp_path, {"deepspeed/planner.py": new_module, "deepspeed/io.py": caller}) == []

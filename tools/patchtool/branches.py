@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed ZeRO-3 fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """`branches`: one branch per patch, on the patches it depends on, in an upstream checkout, ready to push as PRs."""
 
 import os
@@ -132,36 +134,26 @@ def listing(items):
     return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
 
 
-def depends_legend(message, number, series, prefix, titles, closures):
-    """For upstream readers: what this branch builds on (upstream alone, the branch of the patch it is stacked on,
-    or the commits of the patches it depends on), and the patches it depends on or the text names by number, with
-    their titles (a tests.toml title where there is one) and branches."""
+def depends_legend(message, number, series, prefix, closures):
+    """For upstream readers, in few words: what this branch builds on (upstream alone, the branch of the patch it is
+    stacked on, or the commits of the patches it depends on), and the branch of each patch the text names."""
     numbers = [patch_number(p) for p in series]
-    subjects = {
-        patch_number(p): (titles.get(patch_number(p)) or series_message(p).splitlines()[0], branch_name(p, prefix))
-        for p in series
-    }
-    needed, on, branch = closures[number], stacked_on(number, closures), subjects[number][1]
-    named = sorted((set(re.findall(r"\b(\d{4})\b", message)) & set(numbers) | set(needed)) - {number})
-    lines = [f"- {n}: {subjects[n][0]} (branch `{subjects[n][1]}`)" for n in named]
+    branches = {patch_number(p): branch_name(p, prefix) for p in series}
+    needed, on, branch = closures[number], stacked_on(number, closures), branches[number]
+    # Only the patches its text names: the rest of the stack is listed by number.
+    named = sorted(set(re.findall(r"\b(\d{4})\b", message)) & set(numbers) - {number})
+    lines = [f"- {n}: `{branches[n]}`" for n in named]
     if not needed:
-        text = (f"This pull request depends on no other: its branch `{branch}` is this one commit on upstream, to "
-                f"review and merge on its own.")
+        text = f"Depends on no other pull request: its branch `{branch}` is one commit on upstream."
+    elif on:
+        below = [n for n in needed if n != on]
+        text = (f"Stacked on `{branches[on]}` (patch {on}, its own pull request)" +
+                (f", which carries {listing(needed)}, one commit each" if below else "") +
+                "; until merged they show here too: review only the top commit.")
     else:
-        if on:
-            below = [n for n in needed if n != on]
-            text = (
-                f"This pull request is one of a stack: its branch `{branch}` builds on `{subjects[on][1]}` "
-                f"(patch {on}, in its own pull request)" +
-                (f", which carries the patches it depends on, {listing(needed)}, one commit each" if below else "") +
-                ".")
-        else:
-            text = (f"This pull request depends on patches {listing(needed)}, each in its own pull request: its "
-                    f"branch `{branch}` carries their commits on upstream, one per patch in that order, then its own.")
-        text += (f" Until {'that one is' if len(needed) == 1 else 'they are'} merged this one also shows "
-                 f"{'its commit' if len(needed) == 1 else 'their commits'}: review only its top commit, named as its "
-                 f"title.")
-    return text + ("\nPatches named here by number:\n" + "\n".join(lines) if lines else "")
+        text = (f"Carries the commits of patches {listing(needed)}, each its own pull request, then its own; until "
+                "merged they show here too: review only the top commit.")
+    return text + ("\nPatches named here:\n" + "\n".join(lines) if lines else "")
 
 
 def pr_description(message, number, series, prefix, titles, closures):
@@ -173,7 +165,7 @@ def pr_description(message, number, series, prefix, titles, closures):
     if titles.get(number):
         lines[0] = titles[number]
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
-    legend = depends_legend(text, number, series, prefix, titles, closures)
+    legend = depends_legend(text, number, series, prefix, closures)
     paragraphs = text.split("\n\n")
     at = next((i + 1 for i, p in enumerate(paragraphs) if p.startswith("Depends on")), 1)
     paragraphs.insert(at, legend)

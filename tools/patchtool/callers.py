@@ -6,8 +6,8 @@
 
 Upstream reviews each pull request on its own branch, so code that only a later pull request calls is dead code
 there. The rule is checked on the series applied in order (each patch's commit holds the patches before it, a
-superset of its branch), by name: a definition the series added is live when its name is read in upstream's own
-code (a function or class the series did not add) or in a live definition of its own; module-level code is live.
+superset of its branch), by name: a definition the series added is live when the series makes upstream's own code
+(a function or class it did not add, or module-level code) read its name, or a live definition of its own reads it.
 Names read only as strings (getattr) do not count, so such a definition needs a direct reference somewhere."""
 
 import ast
@@ -38,6 +38,8 @@ def _definitions(source):
                 names.add(item.id)
             elif isinstance(item, ast.Attribute):
                 names.add(item.attr)
+            elif isinstance(item, ast.alias) and item.asname:
+                aliases[item.asname] = item.name.rsplit(".", 1)[-1]
             stack.extend(ast.iter_child_nodes(item))
 
     def walk(node, parent):
@@ -45,12 +47,18 @@ def _definitions(source):
         found[qualified] = (node.name, set())
         for child in node.body:
             reads(child, qualified)
-        for extra in node.decorator_list + getattr(node, "bases", []):
+        # Decorators, base classes and default values are read where the definition runs: in its parent.
+        arguments = getattr(node, "args", None)
+        defaults = arguments.defaults + [d for d in arguments.kw_defaults if d] if arguments else []
+        for extra in node.decorator_list + getattr(node, "bases", []) + defaults:
             reads(extra, parent)
 
+    aliases = {}
     found["<module>"] = ("<module>", set())
     for child in ast.parse(source).body:
         reads(child, "<module>")
+    for _, names in found.values():  # a name read under an alias `import x as y` reads x
+        names |= {aliases[name] for name in names & set(aliases)}
     return found
 
 
@@ -85,10 +93,16 @@ def _dead(trees, base, commit):
     now, before = trees.definitions(commit, paths), trees.definitions(base, paths)
     added = {key for key in now if key[1] != "<module>" and key not in before}
     live = set(now) - added
+
+    def new_reads(key):
+        """What upstream's own code already read cannot call what the series adds: `f.close()` is no caller of a
+        new Reader.close. So an upstream definition counts only the names the series made it read."""
+        return now[key][1] - before[key][1] if key in before else now[key][1]
+
     grew = True
     while grew:
         grew = False
-        read = set().union(*(now[key][1] for key in live))
+        read = set().union(*(new_reads(key) for key in live))
         for key in added - live:
             path, qualified = key
             parent = (path, qualified.rsplit(".", 1)[0]) if "." in qualified else None

@@ -77,6 +77,7 @@ def cmd_check(args):
     tests = subprocess.run(["git", "-C", str(ROOT), "ls-files", "tests"], capture_output=True, text=True).stdout
     problems += style_problems(ROOT, tests.split())
     problems += [f"{diff}: {why}" for diff, why in stray_diffs(args.patches, read_series(args.patches))]
+    problems += long_descriptions(args.patches, read_series(args.patches))
     fork = Path(args.fork)
     if fork.exists():
         problems += unexported(fork, args.patches)
@@ -229,3 +230,24 @@ def stray_diffs(patches_dir, series):
                 stray.append((path, f"patch {path.stem} is not in the series (renumbered? rename the file after "
                               f"its patch's number)"))
     return stray
+
+
+MAX_DESCRIPTION_WORDS = 1000  # what a reviewer upstream reads in about five minutes
+
+
+def long_descriptions(patches_dir, series):
+    """Each pull request whose description, as `branches` writes it (the message without fork-only lines, plus the
+    legend of what its branch builds on), runs over MAX_DESCRIPTION_WORDS."""
+    from .branches import BRANCH_PREFIX, pr_description, read_tests_manifest  # branches imports this module
+    titles = {number: entry.get("title") for number, entry in read_tests_manifest(patches_dir, series).items()}
+    closures = dependency_closures(series, [])
+    problems = []
+    for patch in series:
+        number = patch_number(patch)
+        if closures[number] is None:
+            continue  # its `Depends on` problem is reported already
+        words = len(pr_description(series_message(patch), number, series, BRANCH_PREFIX, titles, closures).split())
+        if words > MAX_DESCRIPTION_WORDS:
+            problems.append(f"{patch.name}: its pull request description (the message and the legend `branches` "
+                            f"adds) is {words} words; keep it to {MAX_DESCRIPTION_WORDS}")
+    return problems

@@ -194,6 +194,8 @@ class TestZero3ReshardRefused(DistributedTest):
         engine = build("bf16", dist.get_world_size(), seed=1)
         for kwargs, _, _ in MODES.values():
             expect_rejected(engine, save_dir, "rank_3.*cannot be read.*Restore the file", refusing_rank=1, **kwargs)
+            # rank 0's check passed and opened its reader: the refusal closes it there too
+            assert engine._zero3_slices is None
 
     @layouts("dp4->dp2")
     def test_full_resume_across_saved_step_counts(self, tmp_path, world_size, layout):
