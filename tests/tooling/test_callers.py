@@ -120,3 +120,29 @@ def plan(sizes, key=_key):
     caller = "from .planner import plan as make_plan\n" + UPSTREAM.replace("open(path).read()",
                                                                            "make_plan(open(path).read())")
     assert _series(tmp_path, {"deepspeed/planner.py": new_module, "deepspeed/io.py": caller}) == []
+
+
+def test_a_description_over_1000_words_with_its_legend_is_refused(tmp_path):
+    """`check` counts what upstream reads: the message plus the legend `branches` adds: 1,000 words pass, 1,001 not."""
+    from patchtool.check import dependency_closures, long_descriptions
+    from patchtool.branches import BRANCH_PREFIX, pr_description
+    from patchtool.common import patch_number, read_series, series_message
+    names = (ROOT / "patches" / "series").read_text().split()[:5]
+    for name in names:
+        (tmp_path / name).write_text((ROOT / "patches" / name).read_text())
+    (tmp_path / "series").write_text("".join(f"{name}\n" for name in names))
+    series = read_series(tmp_path)
+    last, original = series[-1], series[-1].read_text()
+
+    def pad_to(total):
+        described = pr_description(series_message(last), patch_number(last), series, BRANCH_PREFIX, {},
+                                   dependency_closures(series))
+        padding = total - len(described.split())
+        last.write_text(original.replace("\n---\n", "\n" + " word" * padding + "\n---\n", 1))
+        return long_descriptions(tmp_path, series)
+
+    assert pad_to(1000) == []
+    last.write_text(original)
+    problems = pad_to(1001)
+    assert len(problems) == 1 and problems[0].startswith(f"{names[-1]}: its pull request description")
+    assert "is 1001 words" in problems[0]

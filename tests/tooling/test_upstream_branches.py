@@ -182,7 +182,7 @@ def test_one_stacked_branch_per_patch(scratch):
         assert "previous version" not in text and "old error" not in text
     assert "All pass with the patch." in first_text
     assert "stack" not in first_text
-    assert f"builds on `{first}`" in second_text and f"- 0001: ZeRO-3: first fix (branch `{first}`)" in second_text
+    assert f"Stacked on `{first}`" in second_text and f"- 0001: `{first}`" in second_text
     # authored and signed off by the one sending them (upstream checks DCO sign-offs)
     for branch, text in ((first, first_text), (second, second_text)):
         assert text.rstrip().endswith("Signed-off-by: t <t@localhost>")
@@ -367,13 +367,13 @@ def test_a_patch_that_depends_on_none_sits_on_the_base(scratch):
     files = git(checkout, "diff", "--name-only", f"{SECOND}^", SECOND).split()
     assert "tests/unit/tiny_helpers.py" in files and "tests/unit/checkpoint/deeper_helpers.py" in files
     text = git(checkout, "log", "-1", "--format=%B", SECOND)
-    assert f"This pull request depends on no other: its branch `{SECOND}` is this one commit on upstream" in text
-    assert "stack" not in text and "builds on" not in text
+    assert f"Depends on no other pull request: its branch `{SECOND}` is one commit on upstream." in text
+    assert "Stacked" not in text and "Carries" not in text
     # the legend follows the `Depends on` paragraph and lists the patch the text names
     paragraphs = text.split("\n\n")
     at = next(i for i, p in enumerate(paragraphs) if p.startswith("Depends on"))
-    assert paragraphs[at + 1].startswith("This pull request depends on no other")
-    assert f"- 0001: ZeRO-3: first fix (branch `{FIRST}`)" in paragraphs[at + 1]
+    assert paragraphs[at + 1].startswith("Depends on no other pull request")
+    assert f"- 0001: `{FIRST}`" in paragraphs[at + 1]
     assert f"{SECOND}: 0002-second-fix.patch on HEAD + " in result.stdout  # the default base
 
 
@@ -389,8 +389,8 @@ def test_a_dependent_patch_sits_on_its_dependency_alone(scratch):
     assert engine[1:3] == ["line 2 fixed", "line 3 fixed"] and engine[-1] == "line 20 upstream"
     assert show(checkout, THIRD, "deepspeed/stage3.py") == "a = 1"  # 0002 is not below it
     text = git(checkout, "log", "-1", "--format=%B", THIRD)
-    assert f"its branch `{THIRD}` builds on `{FIRST}` (patch 0001, in its own pull request)." in text
-    assert "Until that one is merged this one also shows its commit" in text
+    assert (f"Stacked on `{FIRST}` (patch 0001, its own pull request); until merged they show here too: review only "
+            "the top commit.") in text
 
 
 def test_a_patch_that_depends_on_independent_patches_carries_their_commits(scratch):
@@ -423,9 +423,9 @@ def test_a_patch_that_depends_on_independent_patches_carries_their_commits(scrat
     assert show(checkout, THIRD, "tests/unit/tiny_helpers.py").endswith("model = 2")
     assert "note:" not in result.stdout
     text = git(checkout, "log", "-1", "--format=%B", THIRD)
-    assert (f"This pull request depends on patches 0001 and 0002, each in its own pull request: its branch "
-            f"`{THIRD}` carries their commits on upstream, one per patch in that order, then its own.") in text
-    assert f"- 0002: ZeRO-3: second fix (branch `{SECOND}`)" in text
+    assert ("Carries the commits of patches 0001 and 0002, each its own pull request, then its own; until merged "
+            "they show here too: review only the top commit.") in text
+    assert f"- 0002: `{SECOND}`" in text
 
 
 def test_updates_and_tests_follow_the_dependencies(scratch):
