@@ -3,7 +3,8 @@
 
 # DeepSpeed Team
 """`check` and `style`: the series applies to pristine upstream, each patch also on only what its `Depends on`
-needs, its files in upstream's style; fork/ holds nothing unexported."""
+needs, its files in upstream's style, nothing it adds without a caller (callers.py), each pull request description
+within 1,000 words; fork/ holds nothing unexported."""
 
 import os
 import re
@@ -69,9 +70,10 @@ def cmd_check(args):
         init_upstream_repo(scratch)
         try:
             apply_series(scratch, args.patches)
-            problems += uncalled_definitions(scratch, [p.name for p in read_series(args.patches)])
         except PatchError as err:
             problems.append(f"series does not apply to pristine {pin()['version']}: {err}")
+        else:
+            problems += uncalled_definitions(scratch, [p.name for p in read_series(args.patches)])
         problems += dependency_problems(scratch, read_series(args.patches))
         changed = set().union(*(changed_paths(Path(args.patches, p).read_text()) for p in read_series(args.patches)))
         problems += style_problems(scratch, changed, edit_in="fork/")
