@@ -20,6 +20,7 @@ from unit.checkpoint.zero_resume_helpers import (RESUME_TABLE, SAVED_STEPS, TAG,
                                                  steps, to_universal, truncate_on_rank)
 from unit.common import DistributedTest
 from unit.zero_tiny_models import TinyMLP, fixed_batch
+from unit.checkpoint.checkpoint_edits import without_manifest
 
 # The BF16_Optimizer wrapper: bf16 weights, fp32 gradient accumulation, ZeRO stage 1 (engine
 # _do_optimizer_sanity_check; stage 0 with these types is rejected unless pipeline-parallel).
@@ -249,4 +250,5 @@ def mark_saved_by(save_dir, version):
             state = torch.load(path, map_location="cpu", weights_only=False)
             state[OPTIMIZER_STATE_DICT][DS_VERSION] = version
             torch.save(state, path)
+            without_manifest(path)
     dist.barrier()

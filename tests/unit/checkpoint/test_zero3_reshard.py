@@ -24,6 +24,7 @@ from unit.checkpoint.zero3_reshard_helpers import (MODES, PRECISIONS, SAVED_GROU
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, masters, move_aside_on_rank,
                                                  truncate_on_rank)
 from unit.common import DistributedTest
+from unit.checkpoint.checkpoint_edits import without_manifest
 
 
 class TestZero3Reshard(DistributedTest):
@@ -163,6 +164,7 @@ def rewrite_saved_files(save_dir, suffix, change):
                 state = torch.load(path, weights_only=False)
                 change(state)
                 torch.save(state, path)
+                without_manifest(path)
     dist.barrier()
 
 

@@ -16,6 +16,7 @@ import deepspeed.comm as dist
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, make_config, make_engine, masters, moments,
                                                  train_and_save)
 from unit.common import DistributedTest
+from unit.checkpoint.checkpoint_edits import without_manifest
 
 
 class TestZero3SavedTensorParallelSize(DistributedTest):
@@ -58,6 +59,7 @@ def rewrite_model_states(save_dir, change):
                 state = torch.load(path, weights_only=False)
                 change(state)
                 torch.save(state, path)
+                without_manifest(path)
     dist.barrier()
 
 

@@ -29,6 +29,7 @@ from unit.checkpoint.zero3_reshard_helpers import MODES
 from unit.checkpoint.zero_resume_helpers import TAG, expect_rejected, steps
 from unit.common import DistributedTest
 from unit.zero_tiny_models import SETTINGS
+from unit.checkpoint.checkpoint_edits import without_manifest
 
 SAVED_STEPS = 2
 # the next step's loss after a full resume against the uninterrupted run's: the same weights, gradients summed in
@@ -231,6 +232,7 @@ def rewritten_copy(save_dir, name, change=None, edit_file=None, only=""):
                 torch.save(state, os.path.join(folder, file_name))
         if edit_file is not None:
             edit_file(folder)
+        without_manifest(folder)
     dist.barrier()
     return copy_dir
 

@@ -16,6 +16,7 @@ from deepspeed.checkpoint.constants import PARAM
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint.universal_conversion import convert_to_universal
 from unit.zero_tiny_models import zero3_config
+from unit.checkpoint.checkpoint_edits import without_manifest
 
 HIDDEN = 16
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -207,6 +208,7 @@ def edit_state_file(save_dir, tag, param_name, state, edit):
             else:
                 content = edit(content)
             torch.save(content, path)
+        without_manifest(os.path.dirname(path))
     dist.barrier()
 
 
@@ -232,6 +234,7 @@ def rewrite_as_bare_tensors(save_dir, tag):
             state = torch.load(path, weights_only=False)
             if isinstance(state, dict):
                 torch.save(state[PARAM].flatten().clone(), path)
+        without_manifest(os.path.join(save_dir, tag))  # 0.19.8's converter writes none
     dist.barrier()
 
 

@@ -17,6 +17,7 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint.universal_conversion import convert_to_universal
 from unit.zero_tiny_models import TinyMLP, fixed_batch, zero3_config
+from unit.checkpoint.checkpoint_edits import without_manifest
 
 TAG = "ckpt"
 SAVED_STEPS = 3
@@ -272,6 +273,7 @@ def truncate_on_rank(path, rank):
     dist.barrier()
     if dist.get_rank() == rank:
         os.truncate(path, os.path.getsize(path) // 2)
+        without_manifest(path)
     dist.barrier()
 
 

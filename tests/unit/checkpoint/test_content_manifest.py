@@ -1,0 +1,124 @@
+# Copyright (c) the DeepSpeed ZeRO-3 fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The content manifest on one process: its chunks never cross a tensor's storage, a rank that maps a file checks
+only the chunks under the tensors it reads, a refusal names the tensor, and both checksums (xxh3_64 and the
+stdlib's crc32 fallback) write and check manifests."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from deepspeed.checkpoint import content_manifest
+from deepspeed.checkpoint.content_manifest import (CHUNK_BYTES, CheckpointContentError, ContentVerifier,
+                                                   ManifestWriter, verify_folder)
+from deepspeed.runtime.constants import ValidationMode
+
+CHECKSUMS = sorted(content_manifest.CHECKSUMS)
+
+
+def saved(root, name, state, checksum):
+    path = os.path.join(root, name)
+    torch.save(state, path)
+    writer = ManifestWriter(root, "save-1", "tag", 7, checksum=checksum)
+    writer.add(path)
+    writer.write_save_record()
+    return path
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as fd:
+        fd.seek(offset)
+        byte = fd.read(1)
+        fd.seek(offset)
+        fd.write(bytes([byte[0] ^ 0x01]))
+
+
+def offset_of(path, tensor):
+    with open(path, "rb") as fd:
+        return fd.read().find(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def entry(root, name):
+    with open(os.path.join(root, ".manifest", "checksums." + name + ".json")) as fd:
+        return json.load(fd)
+
+
+def state():
+    torch.manual_seed(0)
+    return {"weights": {"big": torch.randn(CHUNK_BYTES // 4 + 1000), "small": torch.randn(10)}, "step": 3}
+
+
+def test_the_fallback_is_the_stdlib_and_the_fast_one_is_tested_where_installed():
+    assert "crc32" in CHECKSUMS
+    assert content_manifest.DEFAULT_CHECKSUM == ("xxh3_64" if content_manifest.xxhash is not None else "crc32")
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_chunks_cover_the_file_and_never_cross_a_storage(tmpdir, checksum):
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), checksum)
+    chunks = entry(root, "a.pt")["chunks"]
+    assert chunks[0][0] == 0 and sum(length for _, length, _, _ in chunks) == os.path.getsize(path)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert max(length for _, length, _, _ in chunks) <= CHUNK_BYTES
+    big = offset_of(path, state()["weights"]["big"])
+    keys = {key for offset, length, _, key in chunks if offset < big + 4 * (CHUNK_BYTES // 4 + 1000) and offset >= big}
+    assert len(keys) == 1 and None not in keys, "the big tensor's chunks hold its storage and nothing else"
+    ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_a_flipped_byte_is_refused_naming_the_tensor(tmpdir, checksum):
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), checksum)
+    flip_byte(path, offset_of(path, state()["weights"]["small"]) + 5)
+    with pytest.raises(CheckpointContentError, match=r"\['weights'\]\['small'\].*content_validation"):
+        ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+    assert verify_folder(root, ValidationMode.WARN) == 1  # warns, goes on
+
+
+def test_a_mapped_file_checks_only_the_chunks_of_the_tensors_read(tmpdir):
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), content_manifest.DEFAULT_CHECKSUM)
+    flip_byte(path, offset_of(path, state()["weights"]["big"]) + CHUNK_BYTES + 8)  # in the big tensor's 2nd chunk
+    verifier = ContentVerifier(root, ValidationMode.FAIL)
+    mapped = torch.load(path, mmap=True, weights_only=False)
+    verifier.verify_mapped(path, mapped)  # the pickle and zip records: intact
+    verifier.verify_tensor(path, mapped["weights"]["small"])
+    verifier.verify_tensor(path, mapped["weights"]["big"][:1000])  # its first chunk only
+    with pytest.raises(CheckpointContentError, match=r"\['weights'\]\['big'\]"):
+        verifier.verify_tensor(path, mapped["weights"]["big"][CHUNK_BYTES // 4:])
+
+
+def test_identity_size_and_missing_entries(tmpdir):
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), content_manifest.DEFAULT_CHECKSUM)
+    os.makedirs(os.path.join(root, "other"))
+    other = saved(os.path.join(root, "other"), "a.pt", state(), content_manifest.DEFAULT_CHECKSUM)
+    with open(os.path.join(root, "other", ".manifest", "save.json"), "w") as fd:
+        json.dump({"format": 1, "save_id": "save-2", "tag": "other", "step": 8}, fd)
+    ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+    with pytest.raises(CheckpointContentError, match="a file of another save"):
+        ContentVerifier(os.path.join(root, "other"), ValidationMode.FAIL).verify_file(other)
+    with open(path, "ab") as fd:
+        fd.write(b"x")
+    with pytest.raises(CheckpointContentError, match="truncated or overwritten"):
+        ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+    os.remove(os.path.join(root, ".manifest", "checksums.a.pt.json"))
+    with pytest.raises(CheckpointContentError, match="has no manifest entry"):
+        ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+    assert ContentVerifier(root, ValidationMode.IGNORE).verify_file(path) is None
+
+
+def test_files_outside_the_checkpoint_and_checkpoints_without_manifest_are_not_checked(tmpdir):
+    root = str(tmpdir)
+    outside = os.path.join(root, "outside.pt")
+    torch.save(state(), outside)
+    os.makedirs(os.path.join(root, "ckpt"))
+    verifier = ContentVerifier(os.path.join(root, "ckpt"), ValidationMode.FAIL)
+    assert not verifier.active
+    verifier.verify_file(outside)
