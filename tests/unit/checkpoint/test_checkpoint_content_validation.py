@@ -203,7 +203,8 @@ class TestContentValidation(DistributedTest):
         optim = shard_path(save_dir, 1)
         restore = backed_up([optim])
         on_rank(1, lambda: flip_bit_of(optim, saved_tensor(optim, "optimizer_state_dict", "fp32_flat_groups", 0)))
-        expect_rejected(engine, save_dir, "fp32_flat_groups", refusing_rank=1, load_optimizer_states=False)
+        for kwargs in (dict(load_optimizer_states=False), dict(load_module_only=True)):
+            expect_rejected(engine, save_dir, "fp32_flat_groups", refusing_rank=1, **kwargs)
         restore()
         on_rank(
             1, lambda: flip_bit_of(
@@ -211,17 +212,27 @@ class TestContentValidation(DistributedTest):
         engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
         assert_same(masters(engine), saved_masters, "masters")
 
-    def test_zero2_refuses_a_flipped_master(self, tmpdir):
+    @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (1, "bf16_fp32_grad_accum")])
+    def test_zero12_refuses_a_flipped_master_or_weight(self, tmpdir, stage, precision):
+        """ZeRO-2, and BF16_Optimizer under ZeRO-1: a flipped master in rank 1's shard, and a flipped bf16 weight in
+        the model-states file, are refused on every rank; the undamaged load is exact."""
+        from unit.checkpoint.test_zero12_resume_fp32_masters import config_for
         save_dir = str(tmpdir)
-        config = make_config(2, "bf16")
+        config = config_for(stage, precision)
         saved_masters, saved_moments, _ = save_two(config, save_dir)
         engine = make_engine(config, seed=1)
         optim = shard_path(save_dir, 1)
-        restore = backed_up([optim])
+        model_states = os.path.join(save_dir, TAG, "mp_rank_00_model_states.pt")
+        restore = backed_up([optim, model_states])
         on_rank(
             1, lambda: flip_bit_of(optim,
                                    saved_tensor(optim, "optimizer_state_dict", "single_partition_of_fp32_groups", 0)))
         expect_rejected(engine, save_dir, "single_partition_of_fp32_groups", refusing_rank=1)
+        restore()
+        restore = backed_up([model_states])
+        on_rank(0, lambda: flip_bit_of(model_states, saved_tensor(model_states, "module", "layers.0.weight")))
+        for kwargs in (dict(), dict(load_optimizer_states=False), dict(load_module_only=True)):
+            expect_rejected(engine, save_dir, r"\['module'\]\['layers.0.weight'\]", **kwargs)
         restore()
         engine.load_checkpoint(save_dir, tag=TAG)
         assert_same(masters(engine), saved_masters, "masters")

@@ -122,3 +122,29 @@ def test_files_outside_the_checkpoint_and_checkpoints_without_manifest_are_not_c
     verifier = ContentVerifier(os.path.join(root, "ckpt"), ValidationMode.FAIL)
     assert not verifier.active
     verifier.verify_file(outside)
+
+
+def test_an_entry_whose_checksum_this_python_lacks_is_loaded_unchecked_but_sized(tmpdir, monkeypatch):
+    """An xxh3_64 manifest read where xxhash is missing: the bytes cannot be checked (a warning), the size still is."""
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), "crc32")
+    monkeypatch.delitem(content_manifest.CHECKSUMS, "crc32")
+    flip_byte(path, offset_of(path, state()["weights"]["small"]))
+    ContentVerifier(root, ValidationMode.FAIL).verify_file(path)  # unchecked, with a warning
+    with open(path, "ab") as fd:
+        fd.write(b"x")
+    with pytest.raises(CheckpointContentError, match="truncated or overwritten"):
+        ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+
+
+@pytest.mark.parametrize("damage", [dict(checksum=[]), dict(size=True), dict(chunks=[[0, 1, 2, None]])])
+def test_a_malformed_entry_is_refused_not_crashed_on(tmpdir, damage):
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), content_manifest.DEFAULT_CHECKSUM)
+    with open(os.path.join(root, ".manifest", "checksums.a.pt.json")) as fd:
+        malformed = {**json.load(fd), **damage}
+    with open(os.path.join(root, ".manifest", "checksums.a.pt.json"), "w") as fd:
+        json.dump(malformed, fd)
+    with pytest.raises(CheckpointContentError, match="manifest entry"):
+        ContentVerifier(root, ValidationMode.FAIL).verify_file(path)
+    ContentVerifier(root, ValidationMode.WARN).verify_file(path)  # warns, goes on
