@@ -29,9 +29,7 @@ measure the change's own cost directly.
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' model, configs and environment helpers
+sys.path.insert(0, str(ROOT / "bench"))
+from two_ranks import run_two_ranks  # noqa: E402
 
 # name: (tree, manifest written with)
 VARIANTS = {
@@ -151,42 +151,13 @@ def rank_main(args):
         print("RESULT " + json.dumps(dict(zip(keys, result.tolist()), bytes=size)), flush=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(tree, checksum, args, workdir):
     """One launch of 2 ranks; returns their times."""
-    from unit.env import extensions_dir
-    save_dir = tempfile.mkdtemp(dir=workdir)
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ,
-                   PYTHONPATH=str(ROOT / tree),
-                   DS_ACCELERATOR="cpu",
-                   RANK=str(rank),
-                   LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
-        env.pop("LOCAL_SIZE", None)
-        env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(ROOT / tree))
-        cmd = [
-            sys.executable, __file__, "--rank", "--tree", tree, "--save-dir", save_dir, "--hidden",
-            str(args.hidden), "--layers",
-            str(args.layers), "--saves",
-            str(args.saves), "--precision", args.precision
-        ] + (["--checksum", checksum] if checksum else [])
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [proc.communicate()[0] for proc in procs]
-    subprocess.run(["rm", "-rf", save_dir], check=True)
-    for line in outputs[0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{tree} failed:\n{outputs[0][-3000:]}\n{outputs[1][-3000:]}")
+    script_args = [
+        "--tree", tree, "--hidden", args.hidden, "--layers", args.layers, "--saves", args.saves, "--precision",
+        args.precision
+    ]
+    return run_two_ranks(__file__, tree, script_args + (["--checksum", checksum] if checksum else []), workdir)
 
 
 def main():

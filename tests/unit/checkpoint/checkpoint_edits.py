@@ -3,7 +3,8 @@
 
 # DeepSpeed Team
 """For tests that edit a saved checkpoint to stand for another kind of save (an older DeepSpeed's, another layout,
-a file cut short): the edited checkpoint loads as one saved without a content manifest."""
+a file cut short): the edited checkpoint loads as one saved without a content manifest; and for the tests of
+that manifest, a flipped bit."""
 
 import os
 import shutil
@@ -26,3 +27,12 @@ def without_manifest(path):
         if os.path.dirname(folder) == folder:
             return
         folder = os.path.dirname(folder)
+
+
+def flip_byte(path, offset):
+    """Flip the lowest bit of the byte at `offset` of the file at `path` (a bit rotted on disk)."""
+    with open(path, "r+b") as fd:
+        fd.seek(offset)
+        byte = fd.read(1)
+        fd.seek(offset)
+        fd.write(bytes([byte[0] ^ 0x01]))

@@ -22,6 +22,7 @@ import deepspeed.comm as dist
 from deepspeed.utils import logger
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, make_config, make_engine, masters,
                                                  moments, saves_checkpoint, shard_path, steps, to_universal, train)
+from unit.checkpoint.checkpoint_edits import flip_byte
 from unit.common import DistributedTest
 from unit.zero_tiny_models import TinyMLP, fixed_batch
 
@@ -127,14 +128,6 @@ def damages(save_dir, bf16=True):
               save_dir, TAG, name(optim[1])))), "a file of another save"),
         ("model states", model[0], 0, lambda: flip_text_byte(model[0], b"global_steps"), "is not the file"),
     ]
-
-
-def flip_byte(path, offset):
-    with open(path, "r+b") as fd:
-        fd.seek(offset)
-        byte = fd.read(1)
-        fd.seek(offset)
-        fd.write(bytes([byte[0] ^ 0x01]))
 
 
 def nvme_unavailable():

@@ -16,6 +16,7 @@ from deepspeed.checkpoint import content_manifest
 from deepspeed.checkpoint.content_manifest import (CHUNK_BYTES, CheckpointContentError, ContentVerifier,
                                                    ManifestWriter, verify_folder)
 from deepspeed.runtime.constants import ValidationMode
+from unit.checkpoint.checkpoint_edits import flip_byte
 
 CHECKSUMS = sorted(content_manifest.CHECKSUMS)
 
@@ -27,14 +28,6 @@ def saved(root, name, state, checksum):
     writer.add(path)
     writer.write_save_record()
     return path
-
-
-def flip_byte(path, offset):
-    with open(path, "r+b") as fd:
-        fd.seek(offset)
-        byte = fd.read(1)
-        fd.seek(offset)
-        fd.write(bytes([byte[0] ^ 0x01]))
 
 
 def offset_of(path, tensor):
