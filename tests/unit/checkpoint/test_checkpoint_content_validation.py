@@ -8,6 +8,7 @@ is refused on every rank with the engine bit-identical, at the saved size and at
 loads exactly. The damage is found by the tensor's own bytes in the file, not by the manifest's records."""
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -423,3 +424,29 @@ class TestContentValidationSerialAndNVMe(DistributedTest):
         for kwargs in (dict(), dict(load_optimizer_states=False), dict(load_module_only=True)):
             with swap_folder_unchanged(engine):
                 expect_rejected(engine, save_dir, "offloaded_tensors.*not the file", refusing_rank=1, **kwargs)
+
+
+class TestContentValidationAtAnotherTensorParallelSize(DistributedTest):
+    """Saved at TP1 x DP2 (AutoTP), loaded at TP2 x DP1 through the TP maps: a flipped master in a copy of the
+    checkpoint is refused on every rank, the engine unchanged; the original loads exactly."""
+    world_size = 2
+    exec_timeout = 420
+
+    @pytest.mark.world_size([2, 2])
+    def test_a_flipped_master_is_refused(self, tmp_path):
+        from unit.checkpoint.test_zero3_tensor_parallel_reshard import assert_resumed, build, saves
+        save_dir = str(tmp_path)
+        if saves("mlp", save_dir, 1, "defaults"):
+            return
+        engine = build("mlp", 2, "defaults", seed=1)
+        copy_dir = os.path.join(save_dir, "flipped")
+        shard = os.path.join(copy_dir, TAG,
+                             os.path.basename(glob.glob(os.path.join(save_dir, TAG, "*rank_0_*optim_states.pt"))[0]))
+        if dist.get_rank() == 0:
+            shutil.copytree(os.path.join(save_dir, TAG), os.path.join(copy_dir, TAG))
+            flip_bit_of(shard, saved_tensor(shard, "optimizer_state_dict", "fp32_flat_groups", 0))
+        dist.barrier()
+        for kwargs in (dict(), dict(load_optimizer_states=False)):
+            expect_rejected(engine, copy_dir, "fp32_flat_groups", **kwargs)
+        engine.load_checkpoint(save_dir, tag=TAG)
+        assert_resumed(engine, save_dir, "full")
