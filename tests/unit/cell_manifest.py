@@ -37,6 +37,7 @@ ZERO12_RESHARD = "unit/checkpoint/test_zero12_reshard.py"
 ZERO_INIT_LAYOUT = "unit/checkpoint/test_autotp_zero_init_layout.py"
 ZERO_INIT_TP = "unit/checkpoint/test_zero3_tensor_parallel_zero_init.py"
 CRASH = "unit/checkpoint/test_checkpoint_crash_consistency.py"
+CONTENT_ENGINES = "unit/checkpoint/test_checkpoint_content_engines.py"
 
 # yapf: disable
 CELLS = {
@@ -194,5 +195,15 @@ CELLS = {
     CRASH: dict(feature="crash-consistent save", stage=3, precision="fp32", checkpoint="rigid"),
     f"{CRASH}::test_saving_again_at_another_world_size_leaves_no_file_of_the_earlier_save":
         dict(layout="dp2 (killed) -> dp1 save"),
+    f"{CRASH}::test_each_node_names_its_saves_in_latest_with_node_local_storage":
+        dict(layout="none, 2 nodes, node-local storage"),
+    # 0028: every engine's checked load refuses on every rank
+    CONTENT_ENGINES: dict(feature="checked load, every engine", precision="fp32", checkpoint="rigid"),
+    f"{CONTENT_ENGINES}::TestEveryEngineRefusesOnEveryRank::test_pipeline_layer_file_damaged_on_one_stage":
+        dict(stage=0, layout="pipeline, 2 stages"),
+    f"{CONTENT_ENGINES}::TestEveryEngineRefusesOnEveryRank::test_moe_expert_file_damaged_or_missing_on_one_rank":
+        dict(stage=[2, 0], layout="MoE, expert-parallel 2"),
+    f"{CONTENT_ENGINES}::TestNodesWithDifferentSaves": dict(stage=3, layout="none, 2 nodes, node-local storage"),
+    f"{CONTENT_ENGINES}::TestEditedCheckpoint": dict(stage=3, precision="bf16"),
 }
 # yapf: enable

@@ -126,8 +126,22 @@ def killed_saves(tmp_path_factory):
         dict(stage=3, precision="fp32", dir=str(workdir / "per_rank"), name="per_rank"),
         dict(stage=3, precision="fp32", dir=str(workdir / "decoupled"), name="decoupled"),
         dict(stage=3, precision="fp32", dir=str(workdir / "datastates"), name="datastates"),
+        dict(stage=3, precision="fp32", dir=str(workdir / "file_system"), name="file_system"),
+        dict(stage=3, precision="fp32", dir=str(workdir / "same_again"), name="same_again"),
+        # Each rank the first of a node of its own, with node-local storage
+        dict(stage=3, precision="fp32", dir=str(workdir / "node_local"), name="node_local", env=dict(LOCAL_RANK="0")),
     ]
-    return dict(trials=trials, resaved=resaved, workdir=workdir, results=_launch(jobs, str(workdir)))
+    results = _launch(jobs, str(workdir))
+    # Then, in the trial killed between the renames of its re-save of "a": tag "a" loaded by name, and the next save
+    results.update(_launch([dict(_between_renames(trials), name="tidy", run="tidy")], str(workdir)))
+    return dict(trials=trials, resaved=resaved, workdir=workdir, results=results)
+
+
+def _between_renames(trials):
+    """The trial whose publisher was killed after moving the re-saved tag's folder aside (a.old) and before renaming
+    the new one (a.new) into its place."""
+    left = lambda trial: sorted(n for n in os.listdir(os.path.join(trial["dir"], "ckpt")) if n.startswith("a"))
+    return next(t for t in trials if "rename" in t and left(t) == ["a.new", "a.old"])
 
 
 def _described(trial):
@@ -178,6 +192,40 @@ def test_decoupled_engines_write_into_the_tag_folder_as_before(killed_saves):
         assert decoupled == ["a", "b", "c", "latest"], decoupled
         datastates = killed_saves["results"].get(("datastates", rank))
         assert datastates == ["DataStatesCheckpointEngine", ["a"]], datastates
+
+
+def test_a_tag_loaded_by_name_falls_back_and_the_next_save_clears_what_interrupted_saves_left(killed_saves):
+    """A kill between the renames of a re-save of tag "a" left a.new and a.old without a: a load of tag "a" by name
+    (as accelerate's load_state loads "pytorch_model") reads a.old, the previous save, whole. The next save, of tag
+    "c", clears the leftovers of interrupted saves (a.new; a.old becomes a; a staging folder; a removal a kill cut
+    short), not a folder of the user's named like one, and "a" still loads the same save."""
+    results = [killed_saves["results"].get(("tidy", rank)) for rank in (0, 1)]
+    assert results == [["previous", ["a", "c", "latest", "notes.old"], "previous"]] * 2, results
+
+
+def test_each_node_names_its_saves_in_latest_with_node_local_storage(killed_saves):
+    """With checkpoint.use_node_local_storage, each node (here each rank, as the first rank of a node with a save_dir
+    of its own) writes `latest` in its save_dir, so a resume from `latest` loads the new save on every node: with
+    only global rank 0 writing it, the other nodes find no `latest` and leave rank 0 waiting in the load."""
+    results = [killed_saves["results"].get(("node_local", rank)) for rank in (0, 1)]
+    assert results == ["new", "new"], results
+
+
+def test_saving_a_tag_again_unchanged_writes_no_second_copy(killed_saves):
+    """A save of tag "a", then another of "a" with nothing trained between (as Hugging Face's Trainer saves a ZeRO-3
+    checkpoint twice under one tag): the second links each of the tag's files (same inode) instead of writing a
+    second copy beside it; after a step, a save of "a" writes new files; `latest` loads it exactly."""
+    results = [killed_saves["results"].get(("same_again", rank)) for rank in (0, 1)]
+    assert results == [[True, False, "new"]] * 2, results
+
+
+def test_saves_sync_as_configured_and_complete_where_folders_cannot_be_renamed(killed_saves):
+    """checkpoint.sync_files (default true) decides whether a save calls fsync; on a file system that refuses to
+    rename folders (EXDEV, as gcsfuse's default and some FUSE mounts refuse), a re-save of tag "a" still completes,
+    file by file, with one warning, and `latest` loads it exactly with no staging folder left; with
+    checkpoint.staged_save false a save writes into its tag's folder and renames none, as 0.19.8 does."""
+    results = [killed_saves["results"].get(("file_system", rank)) for rank in (0, 1)]
+    assert results == [[True, 0, "new", ["a", "latest"], True]] * 2, results
 
 
 # ----- the ranks -------------------------------------------------------------------------------------------------
@@ -367,12 +415,136 @@ def _per_rank(job):
             for d in (own, shared)]
 
 
+def _tidy(job):
+    """In a trial's save_dir that a kill left holding a.new and a.old: load tag "a" by name, add leftovers (a staging
+    folder, a cut-short removal) and a folder of the user's named like one, save tag "c" and load "a" again.
+    Returns [what the first load loaded, the save_dir's listing after the save, what the second load loaded]."""
+    import deepspeed.comm as dist
+    from unit.checkpoint.zero_resume_helpers import train
+    save_dir = os.path.join(job["dir"], "ckpt")
+    first = _loaded(job, tag="a")
+    if dist.get_rank() == 0:
+        for leftover in ("b.tmp", "b.removing-0123abcd"):
+            os.makedirs(os.path.join(save_dir, leftover))
+            Path(save_dir, leftover, "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"partial")
+        os.makedirs(os.path.join(save_dir, "notes.old"))
+    dist.barrier()
+    engine = _engine(job)
+    train(engine, 1)
+    engine.save_checkpoint(save_dir, tag="c")
+    dist.barrier()
+    listing = [name for name in sorted(os.listdir(save_dir)) if not name.endswith(".py")]  # zero_to_fp32.py ...
+    return [first, listing, _loaded(job, tag="a")]
+
+
+def _node_local(job):
+    """Each rank saves tags "a" and "b" a step apart into a save_dir of its own with node-local storage, then a fresh
+    engine loads `latest`: "new" if it holds the state of "b", bit for bit."""
+    import deepspeed.comm as dist
+    from unit.checkpoint.zero_resume_helpers import assert_same, train
+    config = dict(checkpoint=dict(use_node_local_storage=True))
+    engine = _engine(job, **config)
+    save_dir = os.path.join(job["dir"], f"node{dist.get_rank()}")
+    for tag in ("a", "b"):
+        train(engine, 1)
+        engine.save_checkpoint(save_dir, tag=tag)
+    saved = _state(engine)
+    resumed = _engine(job, **config)
+    resumed.load_checkpoint(save_dir)
+    assert_same(_state(resumed), saved)
+    return "new"
+
+
+def _file_system(job):
+    """Save tag "a" with sync_files at its default and off, counting os.fsync calls; then save "a" again while
+    os.rename refuses folders (EXDEV) and load `latest`. Returns [whether the default synced, the fsync calls with
+    sync_files off, "new" if the load is exact, the save_dir's folders and files but scripts]."""
+    import errno
+    from unittest import mock
+    from unit.checkpoint.zero_resume_helpers import assert_same, train
+    save_dir = os.path.join(job["dir"], "ckpt")
+    engine = _engine(job)
+    train(engine, 1)
+    fsyncs = []
+    with mock.patch("os.fsync", side_effect=lambda fd: fsyncs.append(fd)):
+        engine.save_checkpoint(save_dir, tag="a")
+        synced = len(fsyncs)
+        engine._config.checkpoint_sync_files = False
+        engine.save_checkpoint(save_dir, tag="a")
+    engine._config.checkpoint_sync_files = True
+    train(engine, 1)
+    rename = os.rename
+
+    def files_only(src, dst):
+        if os.path.isdir(src):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        rename(src, dst)
+
+    with mock.patch("os.rename", files_only):
+        engine.save_checkpoint(save_dir, tag="a")
+    saved = _state(engine)
+    resumed = _engine(job)
+    resumed.load_checkpoint(save_dir)
+    assert_same(_state(resumed), saved)
+    listing = [n for n in sorted(os.listdir(save_dir)) if not n.endswith(".py")]
+    # checkpoint.staged_save false: written into the tag's folder, as 0.19.8 does (renaming no folder)
+    engine._config.checkpoint_staged_save = False
+    folders_renamed = []
+
+    def record_folders(src, dst):
+        if os.path.isdir(src):
+            folders_renamed.append(src)
+        rename(src, dst)
+
+    with mock.patch("os.rename", record_folders):
+        engine.save_checkpoint(save_dir, tag="b")
+    return [
+        synced > 0,
+        len(fsyncs) - synced, "new", listing, folders_renamed == [] and bool(_own_files(save_dir, "b"))
+    ]
+
+
+def _same_again(job):
+    """Save tag "a" twice with no step between, then once more after a step. Returns [whether the second save's
+    files (this rank's) are the first's, linked; whether the third's are; "new" if `latest` loads exactly]."""
+    from unit.checkpoint.zero_resume_helpers import assert_same, train
+    save_dir = os.path.join(job["dir"], "ckpt")
+    engine = _engine(job)
+    train(engine, 1)
+
+    def inodes():
+        return {path: os.stat(path).st_ino for path in _own_files(save_dir, "a") + _own_model_files(save_dir, "a")}
+
+    engine.save_checkpoint(save_dir, tag="a")
+    first = inodes()
+    engine.save_checkpoint(save_dir, tag="a")
+    linked = inodes() == first
+    train(engine, 1)
+    engine.save_checkpoint(save_dir, tag="a")
+    relinked = any(inodes()[path] == inode for path, inode in first.items())
+    saved = _state(engine)
+    resumed = _engine(job)
+    resumed.load_checkpoint(save_dir)
+    assert_same(_state(resumed), saved)
+    return [linked and len(first) == 2, relinked, "new"]
+
+
+def _own_model_files(save_dir, tag):
+    import deepspeed.comm as dist
+    return glob.glob(os.path.join(save_dir, tag, f"zero_pp_rank_{dist.get_rank()}_*model_states.pt"))
+
+
 def _load(job):
     """Load `latest`: "previous" or "new" when the state is the one of that save, bit for bit."""
+    return _loaded(job)
+
+
+def _loaded(job, tag=None):
+    """Load `latest` (or the tag): "previous" or "new" when the state is the one of that save, bit for bit."""
     import deepspeed.comm as dist
     from unit.checkpoint.zero_resume_helpers import assert_same
     engine = _engine(job)
-    engine.load_checkpoint(os.path.join(job["dir"], "ckpt"))
+    engine.load_checkpoint(os.path.join(job["dir"], "ckpt"), tag=tag)
     loaded = _state(engine)
     expected = torch.load(os.path.join(job["dir"], f"expected{dist.get_rank()}.pt"), weights_only=False)
     for name in ("previous", "new"):
@@ -394,7 +566,11 @@ def _run_job(job):
                unshared=_unshared,
                per_rank=_per_rank,
                decoupled=_decoupled,
-               datastates=_datastates)
+               datastates=_datastates,
+               tidy=_tidy,
+               node_local=_node_local,
+               file_system=_file_system,
+               same_again=_same_again)
     try:
         result = run[job.get("run", job["name"])](job)
     except BaseException as exc:  # noqa: B036 (a peer's death raises in the collective this rank waits in)
