@@ -33,7 +33,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (a te
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The commands live in tools/patchtool/, one module per group; these names are what tools/ and tests import.
-from patchtool.branches import BRANCH_PREFIX, branch_name, cmd_branches, read_tests_manifest  # noqa: E402
+from patchtool.branches import cmd_branches, read_tests_manifest  # noqa: E402
+from patchtool.description import BRANCH_PREFIX, branch_name  # noqa: E402
 from patchtool.check import cmd_check, cmd_style, dependency_problems  # noqa: E402
 from patchtool.common import ROOT, PatchError, load_toml, parse_simple_toml, pin  # noqa: E402
 from patchtool.common import patch_number, read_series  # noqa: E402

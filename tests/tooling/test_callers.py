@@ -125,7 +125,7 @@ def plan(sizes, key=_key):
 def test_a_description_over_1000_words_with_its_legend_is_refused(tmp_path):
     """`check` counts what upstream reads: the message plus the legend `branches` adds: 1,000 words pass, 1,001 not."""
     from patchtool.check import dependency_closures, long_descriptions
-    from patchtool.branches import BRANCH_PREFIX, pr_description
+    from patchtool.description import BRANCH_PREFIX, pr_description
     from patchtool.common import patch_number, read_series, series_message
     names = (ROOT / "patches" / "series").read_text().split()[:5]
     for name in names:

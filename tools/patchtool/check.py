@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .callers import uncalled_definitions
+from .description import BRANCH_PREFIX, pr_description
 from .common import (PatchError, ROOT, TESTS_MANIFEST, UPSTREAM_DIFFS, UPSTREAM_TAG, git, load_toml, patch_number, pin,
                      read_series, series_message)
 from .sdist import init_upstream_repo, unpack
@@ -241,7 +242,6 @@ MAX_DESCRIPTION_WORDS = 1000  # what a reviewer upstream reads in about five min
 def long_descriptions(patches_dir, series):
     """Each pull request whose description, as `branches` writes it (the message without fork-only lines, plus the
     legend of what its branch builds on), runs over MAX_DESCRIPTION_WORDS."""
-    from .branches import BRANCH_PREFIX, pr_description  # branches imports this module
     manifest = Path(patches_dir) / TESTS_MANIFEST  # only its titles: `branches` checks the rest of it
     tables = load_toml(manifest) if manifest.exists() else {}
     titles = {patch_number(patch): (tables.get(patch_number(patch)) or {}).get("title") for patch in series}
