@@ -140,8 +140,14 @@ def killed_saves(tmp_path_factory):
 def _between_renames(trials):
     """The trial whose publisher was killed after moving the re-saved tag's folder aside (a.old) and before renaming
     the new one (a.new) into its place."""
-    left = lambda trial: sorted(n for n in os.listdir(os.path.join(trial["dir"], "ckpt")) if n.startswith("a"))
-    return next(t for t in trials if "rename" in t and left(t) == ["a.new", "a.old"])
+
+    def left(trial):
+        ckpt = os.path.join(trial["dir"], "ckpt")
+        return sorted(n for n in os.listdir(ckpt) if n.startswith("a")) if os.path.isdir(ckpt) else []
+
+    found = [t for t in trials if "rename" in t and left(t) == ["a.new", "a.old"]]
+    assert found, "no trial was killed between the renames of its re-save"
+    return found[0]
 
 
 def _described(trial):
@@ -198,7 +204,8 @@ def test_a_tag_loaded_by_name_falls_back_and_the_next_save_clears_what_interrupt
     """A kill between the renames of a re-save of tag "a" left a.new and a.old without a: a load of tag "a" by name
     (as accelerate's load_state loads "pytorch_model") reads a.old, the previous save, whole. The next save, of tag
     "c", clears the leftovers of interrupted saves (a.new; a.old becomes a; a staging folder; a removal a kill cut
-    short), not a folder of the user's named like one, and "a" still loads the same save."""
+    short), not a folder of the user's named like one (holding a DeepSpeed file), and "a" still loads the same
+    save. Interrupted saves are known by the record each leaves (.<tag>.deepspeed-save)."""
     results = [killed_saves["results"].get(("tidy", rank)) for rank in (0, 1)]
     assert results == [["previous", ["a", "c", "latest", "notes.old"], "previous"]] * 2, results
 
@@ -206,7 +213,8 @@ def test_a_tag_loaded_by_name_falls_back_and_the_next_save_clears_what_interrupt
 def test_each_node_names_its_saves_in_latest_with_node_local_storage(killed_saves):
     """With checkpoint.use_node_local_storage, each node (here each rank, as the first rank of a node with a save_dir
     of its own) writes `latest` in its save_dir, so a resume from `latest` loads the new save on every node: with
-    only global rank 0 writing it, the other nodes find no `latest` and leave rank 0 waiting in the load."""
+    only global rank 0 writing it, the other nodes find no `latest` and leave rank 0 waiting in the load. Where a
+    node has no `latest` (saved so by 0.19.8), every rank refuses, naming the way out."""
     results = [killed_saves["results"].get(("node_local", rank)) for rank in (0, 1)]
     assert results == ["new", "new"], results
 
@@ -423,17 +431,17 @@ def _tidy(job):
     from unit.checkpoint.zero_resume_helpers import train
     save_dir = os.path.join(job["dir"], "ckpt")
     first = _loaded(job, tag="a")
-    if dist.get_rank() == 0:
-        for leftover in ("b.tmp", "b.removing-0123abcd"):
+    if dist.get_rank() == 0:  # what a save of "b" killed while writing leaves, and a folder of the user's
+        for leftover in ("b.tmp", "b.removing-0123abcd", "notes.old"):
             os.makedirs(os.path.join(save_dir, leftover))
             Path(save_dir, leftover, "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"partial")
-        os.makedirs(os.path.join(save_dir, "notes.old"))
+        Path(save_dir, ".b.deepspeed-save").touch()
     dist.barrier()
     engine = _engine(job)
     train(engine, 1)
     engine.save_checkpoint(save_dir, tag="c")
     dist.barrier()
-    listing = [name for name in sorted(os.listdir(save_dir)) if not name.endswith(".py")]  # zero_to_fp32.py ...
+    listing = [name for name in sorted(os.listdir(save_dir)) if not name.endswith(".py") and name[0] != "."]
     return [first, listing, _loaded(job, tag="a")]
 
 
@@ -452,7 +460,15 @@ def _node_local(job):
     resumed = _engine(job, **config)
     resumed.load_checkpoint(save_dir)
     assert_same(_state(resumed), saved)
-    return "new"
+    # A checkpoint saved where only global rank 0 wrote `latest` (0.19.8): every rank refuses, none waits
+    if dist.get_rank() == 1:
+        os.remove(os.path.join(save_dir, "latest"))
+    dist.barrier()
+    try:
+        _engine(job, **config).load_checkpoint(save_dir)
+        return "loaded without latest"
+    except ValueError as exc:
+        return "new" if "pass the tag" in str(exc) else str(exc)
 
 
 def _file_system(job):

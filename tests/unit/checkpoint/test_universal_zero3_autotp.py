@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.common import DistributedTest
 from unit.checkpoint.universal_zero3_helpers import (MLP_PARTITION_CONFIG, TinyMLPBlocks, assert_restored_bitwise,
                                                      assert_same_state, batches, edit_state_file, full_state,
@@ -109,10 +108,10 @@ class TestZero3UniversalIntoAutoTP(DistributedTest):
 
         # Only rank 1 is pointed at a bad folder: rank 0 must not load alone, nor wait forever.
         tag_for_rank = tag if dist.get_rank() == 0 else "bad_fp32"
-        with pytest.raises((ValueError, RuntimeError, ZeRORuntimeException)) as error:
+        with pytest.raises((ValueError, RuntimeError)) as error:
             engine.load_checkpoint(save_dir, tag=tag_for_rank)
-        if dist.get_rank() == 0:  # or, where loads compare the save each rank reads, those saves
-            assert "another rank" in str(error.value) or "different saves" in str(error.value), str(error.value)
+        if dist.get_rank() == 0:
+            assert "another rank" in str(error.value), str(error.value)
         assert_same_state(before, full_state(engine))
 
 
