@@ -105,6 +105,7 @@ bench: setup pristine
 	$(VPY) bench/zero3_reshard_cost.py --stage 2
 	$(VPY) bench/zero3_reshard_cost.py --tp
 	$(VPY) bench/checkpoint_verify_cost.py
+	$(VPY) bench/checkpoint_costs.py
 
 # One run on a single-GPU node as the evidence upstream's skip-gpu-test label asks for (docs/gpu-evidence.md): the
 # memory bench with --cuda, 0001's offload round trips and upstream's TestDynamicOffloadStatesZero3 cells at 1 rank

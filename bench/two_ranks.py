@@ -22,9 +22,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_two_ranks(script, tree, script_args, workdir):
+def run_two_ranks(script, tree, script_args, workdir, timeout=None):
     """Run `script --rank --save-dir <a new folder in workdir> *script_args` as ranks 0 and 1 on ROOT/tree; return
-    rank 0's RESULT, the folder removed."""
+    rank 0's RESULT, the folder removed. timeout: seconds after which both ranks are killed and this raises (a rank
+    can wait forever, e.g. on a JIT build's lock that a killed build left behind)."""
     from unit.env import extensions_dir  # the caller put tests/ on sys.path
     save_dir = tempfile.mkdtemp(dir=workdir)
     port = str(free_port())
@@ -42,7 +43,14 @@ def run_two_ranks(script, tree, script_args, workdir):
         env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir(ROOT / tree))
         cmd = [sys.executable, str(script), "--rank", "--save-dir", save_dir] + [str(arg) for arg in script_args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [proc.communicate()[0] for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        outputs = [proc.communicate()[0] for proc in procs]
+        subprocess.run(["rm", "-rf", save_dir], check=True)
+        raise RuntimeError(f"{tree} timed out after {timeout} s:\n{outputs[0][-3000:]}\n{outputs[1][-3000:]}")
     subprocess.run(["rm", "-rf", save_dir], check=True)
     for line in outputs[0].splitlines():
         if line.startswith("RESULT "):
