@@ -7,10 +7,8 @@ flipped bit in any kind of tensor, a truncated, missing or swapped file, a damag
 is refused on every rank with the engine bit-identical, at the saved size and at another; an undamaged checkpoint
 loads exactly. The damage is found by the tensor's own bytes in the file, not by the manifest's records."""
 
-import contextlib
 import glob
 import json
-import logging
 import os
 import shutil
 import zipfile
@@ -20,9 +18,9 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.utils import logger
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, make_config, make_engine, masters,
-                                                 moments, saves_checkpoint, shard_path, steps, to_universal, train)
+from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, logged, make_config, make_engine,
+                                                 masters, moments, saves_checkpoint, shard_path, steps, to_universal,
+                                                 train)
 from unit.checkpoint.checkpoint_edits import flip_byte
 from unit.common import DistributedTest
 from unit.zero_tiny_models import TinyMLP, fixed_batch
@@ -257,22 +255,6 @@ class TestContentValidation(DistributedTest):
         ignored = make_engine({**config, "checkpoint": {"content_validation": "Ignore"}}, seed=1)
         ignored.load_checkpoint(save_dir, tag=TAG)  # the flipped moment loads unchecked
         assert_same(masters(ignored), saved_masters, "masters")
-
-
-@contextlib.contextmanager
-def logged():
-    """The lines DeepSpeed's logger writes meanwhile, at INFO and above."""
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 class TestContentValidationAtAnotherSize(DistributedTest):

@@ -8,8 +8,6 @@ fork's function does, bit for bit, checking nothing. Its content check refuses a
 and converts it on request: content_validation="Warn" (with a warning) or "Ignore", the CLI's --content_validation.
 One 2-rank ZeRO-3 save at DeepSpeed's defaults serves every test of the class; the checks run at 1 rank."""
 
-import contextlib
-import logging
 import os
 import shutil
 import subprocess
@@ -20,10 +18,9 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.utils import logger
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from unit.checkpoint.checkpoint_edits import flip_byte
-from unit.checkpoint.zero_resume_helpers import saves_checkpoint, shard_path
+from unit.checkpoint.zero_resume_helpers import logged, saves_checkpoint, shard_path
 from unit.common import DistributedTest
 
 PRISTINE = Path(__file__).resolve().parents[3] / "pristine"  # 0.19.8 (tools/patches.py pristine)
@@ -94,22 +91,6 @@ def flip_master(save_dir):
     assert offset >= 0 and data.find(wanted, offset + 1) < 0, "the masters' bytes are not unique in the file"
     flip_byte(optim, offset + len(wanted) // 2)
     return optim
-
-
-@contextlib.contextmanager
-def logged():
-    """The lines DeepSpeed's logger writes meanwhile, at INFO and above."""
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 class TestZeroToFp32Portable(DistributedTest):

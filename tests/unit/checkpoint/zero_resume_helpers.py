@@ -5,7 +5,9 @@
 """Shared steps for the checkpoint-resume tests: train a tiny model, save, convert, reload, and read
 back the fp32 masters and optimizer moments of every parameter (gathered, so equal on every rank)."""
 
+import contextlib
 import glob
+import logging
 import os
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from deepspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint.universal_conversion import convert_to_universal
 from unit.zero_tiny_models import TinyMLP, fixed_batch, zero3_config
 from unit.checkpoint.checkpoint_edits import without_manifest
@@ -301,3 +303,19 @@ def check_trainable_set_change(save_dir, config, build, direction):
     resumed.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=False)
     assert_same(weights(resumed), saved_weights, "weights")
     train(resumed, steps=1)
+
+
+@contextlib.contextmanager
+def logged():
+    """The lines DeepSpeed's logger writes meanwhile, at INFO and above."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(f"{record.levelname} {record.getMessage()}")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
