@@ -23,8 +23,8 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.checkpoint.checkpoint_edits import flip_byte
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, make_config, make_engine, masters, moments, steps,
-                                                 train)
+from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, make_config, make_engine, masters, moments, on_rank,
+                                                 steps, train)
 from unit.common import DistributedTest
 
 HIDDEN = 8
@@ -97,13 +97,6 @@ def refused_on_every_rank(make, save_dir, match, tag=TAG):
     assert_same(weights(engine), before)
 
 
-def damage_on_rank(rank, damage):
-    dist.barrier()
-    if dist.get_rank() == rank:
-        damage()
-    dist.barrier()
-
-
 class TestEveryEngineRefusesOnEveryRank(DistributedTest):
     world_size = 2
     exec_timeout = 300
@@ -115,9 +108,9 @@ class TestEveryEngineRefusesOnEveryRank(DistributedTest):
         expected = weights(saved)
         last_layer = os.path.join(save_dir, TAG, "layer_03-model_states.pt")  # stage 1's, read by rank 1 only
         shutil.copyfile(last_layer, f"{tmpdir}/good{dist.get_rank()}")
-        damage_on_rank(1, lambda: flip_byte(last_layer, os.path.getsize(last_layer) // 2))
+        on_rank(1, lambda: flip_byte(last_layer, os.path.getsize(last_layer) // 2))
         refused_on_every_rank(pipeline_engine, save_dir, "not the file its save wrote|rank 1 refused it")
-        damage_on_rank(1, lambda: shutil.copyfile(f"{tmpdir}/good1", last_layer))
+        on_rank(1, lambda: shutil.copyfile(f"{tmpdir}/good1", last_layer))
         loaded = pipeline_engine(seed=1)
         loaded.load_checkpoint(save_dir, tag=TAG)
         assert_same(weights(loaded), expected)
@@ -130,13 +123,13 @@ class TestEveryEngineRefusesOnEveryRank(DistributedTest):
         expected = weights(saved)
         expert = os.path.join(save_dir, TAG, "layer_0_expert_1_mp_rank_00_model_states.pt")  # rank 1's expert
         shutil.copyfile(expert, f"{tmpdir}/good")
-        damage_on_rank(1, lambda: flip_byte(expert, os.path.getsize(expert) // 2))
+        on_rank(1, lambda: flip_byte(expert, os.path.getsize(expert) // 2))
         refused_on_every_rank(lambda seed: moe_engine(stage, seed), save_dir,
                               "not the file its save wrote|rank 1 refused it")
-        damage_on_rank(1, lambda: os.remove(expert))
+        on_rank(1, lambda: os.remove(expert))
         refused_on_every_rank(lambda seed: moe_engine(stage, seed), save_dir,
                               "lacks the expert files|rank 1 refused it")
-        damage_on_rank(1, lambda: shutil.copyfile(f"{tmpdir}/good", expert))
+        on_rank(1, lambda: shutil.copyfile(f"{tmpdir}/good", expert))
         loaded = moe_engine(stage, seed=1)
         loaded.load_checkpoint(save_dir, tag=TAG)
         assert_same(weights(loaded), expected)

@@ -19,8 +19,8 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, logged, make_config, make_engine,
-                                                 masters, moments, saves_checkpoint, shard_path, steps, to_universal,
-                                                 train)
+                                                 masters, moments, on_rank, saves_checkpoint, shard_path, steps,
+                                                 to_universal, train)
 from unit.checkpoint.checkpoint_edits import flip_byte
 from unit.common import DistributedTest
 from unit.zero_tiny_models import TinyMLP, fixed_batch
@@ -63,14 +63,6 @@ def saved_tensor(path, *keys):
     for key in keys:
         state = state[key]
     return state
-
-
-def on_rank(rank, damage):
-    """Run damage() on `rank` (every rank waits)."""
-    dist.barrier()
-    if dist.get_rank() == rank:
-        damage()
-    dist.barrier()
 
 
 def backed_up(paths):

@@ -319,3 +319,11 @@ def logged():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def on_rank(rank, damage):
+    """Run damage() on `rank` (every rank waits)."""
+    dist.barrier()
+    if dist.get_rank() == rank:
+        damage()
+    dist.barrier()
