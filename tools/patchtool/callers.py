@@ -17,7 +17,9 @@ from .common import UPSTREAM_TAG, git
 
 ALWAYS_LIVE = {
     "__init__", "__call__", "__enter__", "__exit__", "__iter__", "__len__", "__getitem__", "__repr__", "__eq__",
-    "__hash__", "__post_init__", "__del__", "__str__", "__next__", "__contains__"
+    "__hash__", "__post_init__", "__del__", "__str__", "__next__", "__contains__",
+    # io.RawIOBase's protocol, which io and torch.load's C++ file adapter call
+    "readable", "readinto", "seekable"
 }
 
 

@@ -7,20 +7,24 @@ flipped bit in any kind of tensor, a truncated, missing or swapped file, a damag
 is refused on every rank with the engine bit-identical, at the saved size and at another; an undamaged checkpoint
 loads exactly. The damage is found by the tensor's own bytes in the file, not by the manifest's records."""
 
+import contextlib
 import glob
+import inspect
 import json
 import os
 import shutil
 import zipfile
+from unittest import mock
 
 import pytest
 import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, logged, make_config, make_engine,
-                                                 masters, moments, on_rank, saves_checkpoint, shard_path, steps,
-                                                 to_universal, train)
+from deepspeed.checkpoint import content_manifest
+from unit.checkpoint.zero_resume_helpers import (TAG, assert_same, expect_rejected, hashed_from_mappings, logged,
+                                                 make_config, make_engine, masters, moments, on_rank, saves_checkpoint,
+                                                 shard_path, steps, to_universal, train)
 from unit.checkpoint.checkpoint_edits import flip_byte
 from unit.common import DistributedTest
 from unit.zero_tiny_models import TinyMLP, fixed_batch
@@ -148,6 +152,21 @@ def save_two(config, save_dir):
     return saved
 
 
+@contextlib.contextmanager
+def whole_reads(engine):
+    """{path: ["check" or "load", ...]}: the files engine's checkpoint engine reads whole while active, each with the
+    stage that read it (the check stage of a ZeRO load, or after)."""
+    reads, load = {}, engine.checkpoint_engine.load
+
+    def recorded(path, *args, **kwargs):
+        stage = "check" if any(frame.function == "_verify_zero_shards_read" for frame in inspect.stack()) else "load"
+        reads.setdefault(os.fspath(path), []).append(stage)
+        return load(path, *args, **kwargs)
+
+    with mock.patch.object(engine.checkpoint_engine, "load", recorded):
+        yield reads
+
+
 def check_every_damage_refused(engine, save_dir, bf16=True, **load_kwargs):
     for what, path, rank, damage, match in damages(save_dir, bf16=bf16):
         paths = [path] if "entry" not in what or "file" not in what else [
@@ -176,6 +195,39 @@ class TestContentValidation(DistributedTest):
         assert_same(masters(engine), saved_masters, "masters")
         assert_same(moments(engine), saved_moments, "moments")
         assert steps(engine) == saved_steps
+
+    def test_the_save_and_a_full_resume_hash_the_shard_as_they_write_and_read_it(self, tmpdir):
+        """The manifest takes the checksums of each storage from the write that writes it, and a full ZeRO-3 resume
+        checks this rank's shard in the read that loads it: the check stage loads the shard, the load uses it. Only
+        the pickle and zip records are hashed from a mapping of the file; before, all of it: the save read it back,
+        and the check read it before torch.load read it again. Serial loading (one rank at a time, to bound a node's
+        memory) and a fresh-optimizer resume (the masters, memory-mapped) keep nothing."""
+        save_dir = str(tmpdir)
+        engine = wide_engine(make_config(3, "bf16"), seed=0)
+        x, y = fixed_batch(hidden=WIDE, dtype=torch.bfloat16, device=engine.device)
+        engine.backward(engine(x, y))
+        engine.step()
+        saved = masters(engine), moments(engine), steps(engine)
+        with hashed_from_mappings() as hashed:
+            engine.save_checkpoint(save_dir, tag=TAG)
+        shard = shard_path(save_dir, dist.get_rank())
+        assert os.path.isfile(manifest_entry(save_dir, TAG, os.path.basename(shard)))
+        assert sum(size for path, size in hashed.items() if path.endswith(os.path.basename(shard))) < 2**16, hashed
+        records = content_manifest._storage_records(content_manifest._zip_records(shard))
+        assert sum(size for _, size in records.values()) > 4 * 2**20, records  # masters and moments: 4.5 MiB a rank
+        for settings, load_optimizer_states, reads in (({}, True, ["check"]), ({}, False, []),
+                                                       (dict(pipeline_loading_checkpoint=True), True, ["load"])):
+            engine = wide_engine(make_config(3, "bf16", **settings), seed=1)
+            with hashed_from_mappings() as hashed, whole_reads(engine) as whole:
+                engine.load_checkpoint(save_dir, tag=TAG, load_optimizer_states=load_optimizer_states)
+            assert whole.get(shard, []) == reads, (settings, load_optimizer_states, whole)
+            assert engine._checked_zero3_shard is None
+            if reads == ["check"]:
+                assert hashed.get(shard, 0) < 2**16, hashed
+            assert_same(masters(engine), saved[0], "masters")
+            if load_optimizer_states:
+                assert_same(moments(engine), saved[1], "moments")
+                assert steps(engine) == saved[2]
 
     def test_fresh_optimizer_reads_and_checks_the_masters(self, tmpdir):
         """A fresh-optimizer resume reads only the masters of its shard: a flipped master is refused, a flipped

@@ -17,6 +17,7 @@ from deepspeed.checkpoint.content_manifest import (CHUNK_BYTES, CheckpointConten
                                                    ManifestWriter, verify_folder)
 from deepspeed.runtime.constants import ValidationMode
 from unit.checkpoint.checkpoint_edits import flip_byte
+from unit.checkpoint.zero_resume_helpers import hashed_from_mappings
 
 CHECKSUMS = sorted(content_manifest.CHECKSUMS)
 
@@ -85,6 +86,69 @@ def test_a_mapped_file_checks_only_the_chunks_of_the_tensors_read(tmpdir):
     verifier.verify_tensor(path, mapped["weights"]["big"][:1000])  # its first chunk only
     with pytest.raises(CheckpointContentError, match=r"\['weights'\]\['big'\]"):
         verifier.verify_tensor(path, mapped["weights"]["big"][CHUNK_BYTES // 4:])
+
+
+def test_reads_of_any_span_return_the_file_and_hash_only_the_chunks_they_cover_whole(tmpdir):
+    path = os.path.join(str(tmpdir), "bytes")
+    data = os.urandom(3 * CHUNK_BYTES + CHUNK_BYTES // 2)
+    with open(path, "wb") as fd:
+        fd.write(data)
+    chunks = [list(chunk) for chunk in content_manifest._split(0, len(data), None)]
+    digest = content_manifest.CHECKSUMS[content_manifest.DEFAULT_CHECKSUM]
+    with open(path, "rb", buffering=0) as raw:
+        reader = content_manifest._CheckingReader(raw, chunks, digest)
+        got = bytearray()
+        for offset, size in [(10, 5), (0, 2 * CHUNK_BYTES + 100), (CHUNK_BYTES + 7, 10),
+                             (3 * CHUNK_BYTES, CHUNK_BYTES)]:
+            reader.seek(offset)
+            buffer = bytearray(size)
+            count = reader.readinto(buffer)
+            assert buffer[:count] == data[offset:offset + size]
+            got += buffer[:count]
+    assert count == CHUNK_BYTES // 2, "a read past the end returns what the file holds"
+    assert reader.digests == {index: digest(data[chunks[index][0]:sum(chunks[index][:2])]) for index in (0, 1, 3)}
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_a_load_checks_in_its_own_read_and_a_save_hashes_as_it_writes(tmpdir, checksum):
+    root = str(tmpdir)
+    path = os.path.join(root, "a.pt")
+    writer = ManifestWriter(root, "save-1", "tag", 7, checksum=checksum)
+    content_manifest.start_recording(writer)
+    with open(path, "wb") as fd:
+        content_manifest.hashing_writes(path, lambda file: torch.save(state(), file))(fd)
+    big = offset_of(path, state()["weights"]["big"])
+    assert {(big, CHUNK_BYTES), (big + CHUNK_BYTES, 4000)} <= set(writer.written[path]), "hashed as written"
+    content_manifest.record_write(path)
+    content_manifest.stop_recording()
+    writer.write_save_record()
+    with open(path, "rb") as fd:
+        assert entry(
+            root, "a.pt")["chunks"] == [[offset, length, content_manifest.CHECKSUMS[checksum](fd.read(length)), key]
+                                        for offset, length, _, key in entry(root, "a.pt")["chunks"]]
+    with content_manifest.verifying_reads(ContentVerifier(root,
+                                                          ValidationMode.FAIL)), hashed_from_mappings() as hashed:
+        loaded = content_manifest.load_verified(path, lambda file: torch.load(file, weights_only=False))
+    assert torch.equal(loaded["weights"]["big"], state()["weights"]["big"]) and loaded["step"] == 3
+    assert hashed[path] < 4096, "only the bytes around the storages are hashed from a mapping"
+    flip_byte(path, offset_of(path, state()["weights"]["big"]) + CHUNK_BYTES + 8)
+    with content_manifest.verifying_reads(ContentVerifier(root,
+                                                          ValidationMode.FAIL)), hashed_from_mappings() as hashed:
+        with pytest.raises(CheckpointContentError, match=r"\['weights'\]\['big'\]"):
+            content_manifest.load_verified(path, lambda file: torch.load(file, weights_only=False))
+    assert hashed[path] < 4096, "the flipped byte is found in the bytes the load read"
+
+
+def test_a_damaged_pickle_is_refused_before_it_is_unpickled(tmpdir):
+    root = str(tmpdir)
+    path = saved(root, "a.pt", state(), content_manifest.DEFAULT_CHECKSUM)
+    with open(path, "rb") as fd:
+        flip_byte(path, fd.read().find(b"weights"))
+    loads = []
+    with content_manifest.verifying_reads(ContentVerifier(root, ValidationMode.FAIL)):
+        with pytest.raises(CheckpointContentError, match="data.pkl"):
+            content_manifest.load_verified(path, loads.append)
+    assert loads == []
 
 
 def test_identity_size_and_missing_entries(tmpdir):

@@ -9,6 +9,7 @@ import contextlib
 import glob
 import logging
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -327,3 +328,31 @@ def on_rank(rank, damage):
     if dist.get_rank() == rank:
         damage()
     dist.barrier()
+
+
+@contextlib.contextmanager
+def hashed_from_mappings():
+    """{path: bytes the content checks hash from a memory mapping of the file} while active."""
+    from deepspeed.checkpoint import content_manifest
+    hashed, mapped = {}, content_manifest._mapped
+
+    class CountedView:
+
+        def __init__(self, view, path):
+            self.view, self.path = view, path
+
+        def __len__(self):
+            return len(self.view)
+
+        def __getitem__(self, span):
+            part = self.view[span]
+            hashed[self.path] = hashed.get(self.path, 0) + len(part)
+            return part
+
+    @contextlib.contextmanager
+    def counted(path):
+        with mapped(path) as view:
+            yield CountedView(view, path)
+
+    with mock.patch.object(content_manifest, "_mapped", counted):
+        yield hashed
